@@ -1,0 +1,1 @@
+"""Control plane: the command line now; the REST service, job store and scheduler next."""

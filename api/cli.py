@@ -1,0 +1,61 @@
+"""The ``zeroservice`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from zeroservice.demo import DemoSpec, format_report, train
+    from zeroservice.launch import run_local
+
+    spec = DemoSpec(
+        stage=args.stage,
+        precision=args.precision,
+        steps=args.steps,
+        batch=args.batch,
+        accum=args.accum,
+    )
+    print(
+        f"training the reference GPT on {args.world} local ranks (gloo), "
+        f"ZeRO stage {args.stage}, {args.precision}",
+        flush=True,
+    )
+    results = run_local(train, args.world, spec, threads=args.threads)
+    print(format_report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results[0], indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeroservice", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train the reference GPT on local ranks and report")
+    demo.add_argument("--stage", type=int, choices=(0, 1, 2), default=2)
+    demo.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    demo.add_argument("--world", type=int, default=2, help="local ranks (processes)")
+    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
+    demo.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    demo.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    demo.add_argument("--json", help="also write rank 0's results to this file")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("world", "steps", "batch", "accum", "threads"):
+        if getattr(args, name, 1) < 1:
+            print(f"zeroservice: --{name} must be >= 1", file=sys.stderr)
+            return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

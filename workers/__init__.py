@@ -1,0 +1,1 @@
+"""The Ray side of zeroservice: placement, bootstrap, supervised jobs and rank metrics."""
