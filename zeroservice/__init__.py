@@ -1,0 +1,57 @@
+"""zeroservice: the ZeRO engine, a library that knows only torch and torch.distributed.
+
+engine = zeroservice.initialize(model, ZeroConfig(stage=2, precision="bf16"),
+                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+loss = engine(x, y); engine.backward(loss); engine.step()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .config import ConfigError, LossScaleConfig, ScheduleConfig, ZeroConfig
+from .deepspeed_config import from_deepspeed
+from .engine import Engine, Phase, StepReport
+from .memory import MemoryLedger, expected_model_state_bytes
+from .optim import OptimizerFactory
+
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "LossScaleConfig",
+    "MemoryLedger",
+    "Phase",
+    "ScheduleConfig",
+    "StepReport",
+    "ZeroConfig",
+    "expected_model_state_bytes",
+    "from_deepspeed",
+    "initialize",
+]
+
+
+def initialize(
+    model: nn.Module,
+    config: ZeroConfig | dict[str, Any] | None = None,
+    optimizer: OptimizerFactory | None = None,
+    group=None,
+) -> Engine:
+    """Wrap ``model`` in an engine over ``group`` (default: the whole world).
+
+    ``config`` may be a ZeroConfig or a dict of its fields. ``optimizer`` is a factory
+    called with the engine's fp32 shard tensors. torch.distributed must already be
+    initialised (torchrun, or ``init_process_group``).
+    """
+    if config is None:
+        config = ZeroConfig()
+    elif isinstance(config, dict):
+        config = ZeroConfig.from_dict(config)
+    elif not isinstance(config, ZeroConfig):
+        raise ConfigError(f"config: expected ZeroConfig or dict, got {type(config).__name__}")
+    if optimizer is None:
+        raise ConfigError(
+            "optimizer: pass a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4)"
+        )
+    return Engine(model, config, optimizer, group)

@@ -1,0 +1,179 @@
+"""Typed, validated engine configuration.
+
+Every field is checked in ``__post_init__`` so that a config that makes no sense fails
+at construction with a message naming the field, never later inside a collective.
+The control plane accepts the same fields (it builds these dataclasses from its
+pydantic job spec).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Precision = Literal["fp32", "bf16", "fp16"]
+ReduceDtype = Literal["param", "fp32"]
+ScheduleKind = Literal["constant", "cosine", "linear"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (ignored by fp32 and bf16)."""
+
+    initial_scale: float = 2.0**16
+    """Scale applied to the loss before the first step."""
+    growth_interval: int = 1000
+    """Consecutive steps without overflow after which the scale doubles."""
+    backoff_factor: float = 0.5
+    """Factor applied to the scale on an overflow."""
+    growth_factor: float = 2.0
+    """Factor applied to the scale after ``growth_interval`` clean steps."""
+    min_scale: float = 1.0
+    """The scale never drops below this value."""
+    hysteresis: int = 1
+    """Overflows tolerated before the scale backs off (the step is skipped every time)."""
+
+    def __post_init__(self) -> None:
+        _require(self.initial_scale > 0, "loss_scale.initial_scale", "must be > 0")
+        _require(self.growth_interval >= 1, "loss_scale.growth_interval", "must be >= 1")
+        _require(0 < self.backoff_factor < 1, "loss_scale.backoff_factor", "must be in (0, 1)")
+        _require(self.growth_factor > 1, "loss_scale.growth_factor", "must be > 1")
+        _require(self.min_scale > 0, "loss_scale.min_scale", "must be > 0")
+        _require(
+            self.min_scale <= self.initial_scale,
+            "loss_scale.min_scale",
+            f"{self.min_scale} exceeds initial_scale {self.initial_scale}",
+        )
+        _require(self.hysteresis >= 1, "loss_scale.hysteresis", "must be >= 1")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule: linear warm-up, then constant, cosine or linear decay.
+
+    The factor multiplies each optimizer group's initial learning rate; steps skipped
+    on an fp16 overflow do not advance it.
+    """
+
+    kind: ScheduleKind = "constant"
+    warmup_steps: int = 0
+    """Steps of linear warm-up from ``warmup_start_ratio`` to 1."""
+    total_steps: int | None = None
+    """Step at which decay ends (required for cosine and linear)."""
+    min_ratio: float = 0.0
+    """Floor of the decay, as a fraction of the base learning rate."""
+    warmup_start_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kind in ("constant", "cosine", "linear"),
+            "lr_schedule.kind",
+            f"unknown schedule {self.kind!r}; choose constant, cosine or linear",
+        )
+        _require(self.warmup_steps >= 0, "lr_schedule.warmup_steps", "must be >= 0")
+        _require(0 <= self.min_ratio <= 1, "lr_schedule.min_ratio", "must be in [0, 1]")
+        _require(
+            0 <= self.warmup_start_ratio <= 1,
+            "lr_schedule.warmup_start_ratio",
+            "must be in [0, 1]",
+        )
+        if self.kind != "constant":
+            _require(
+                self.total_steps is not None,
+                "lr_schedule.total_steps",
+                f"required by the {self.kind} schedule",
+            )
+        if self.total_steps is not None:
+            _require(
+                self.total_steps > self.warmup_steps,
+                "lr_schedule.total_steps",
+                f"{self.total_steps} must exceed warmup_steps {self.warmup_steps}",
+            )
+
+
+@dataclass
+class ZeroConfig:
+    """What the engine partitions, in which precision, and how it communicates."""
+
+    stage: int = 2
+    """0: plain data parallel; 1: optimizer states partitioned (P_os);
+    2: gradients too (P_os+g)."""
+    precision: Precision = "fp32"
+    """fp32; bf16 (bf16 params/grads, fp32 master and optimizer states); fp16 (the same
+    with dynamic loss scaling)."""
+    reduce_dtype: ReduceDtype = "param"
+    """dtype of gradient reduction: the parameters' dtype, or fp32 (costs 2x bytes in
+    bf16/fp16, gains accuracy)."""
+    bucket_elements: int = 2**23
+    """Constant size of the fused communication buffers and of parameter units, in
+    elements (the paper's C_B). A single parameter larger than this forms a unit of
+    its own."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; ``engine.step()`` is called after each one."""
+    gradient_clipping: float = 0.0
+    """Max global gradient norm (0 disables clipping)."""
+    overlap_comm: bool = True
+    """Launch gradient reductions from backward hooks while backward continues."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train_micro_batch_size: int | None = None
+    """Samples per rank per micro-batch; used by launchers and data loaders, not the engine."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_scale, dict):
+            self.loss_scale = LossScaleConfig(**self.loss_scale)
+        if isinstance(self.lr_schedule, dict):
+            self.lr_schedule = ScheduleConfig(**self.lr_schedule)
+        _require(
+            isinstance(self.stage, int) and self.stage in (0, 1, 2),
+            "stage",
+            f"{self.stage!r} is not a supported ZeRO stage (0, 1 or 2)",
+        )
+        _require(
+            self.precision in PRECISIONS,
+            "precision",
+            f"{self.precision!r} is not one of {', '.join(PRECISIONS)}",
+        )
+        _require(
+            self.reduce_dtype in ("param", "fp32"),
+            "reduce_dtype",
+            f"{self.reduce_dtype!r} is not 'param' or 'fp32'",
+        )
+        _require(
+            isinstance(self.bucket_elements, int) and self.bucket_elements >= 1024,
+            "bucket_elements",
+            f"{self.bucket_elements!r} must be an integer >= 1024",
+        )
+        _require(
+            isinstance(self.gradient_accumulation_steps, int)
+            and self.gradient_accumulation_steps >= 1,
+            "gradient_accumulation_steps",
+            f"{self.gradient_accumulation_steps!r} must be an integer >= 1",
+        )
+        _require(self.gradient_clipping >= 0, "gradient_clipping", "must be >= 0 (0 disables)")
+        if self.train_micro_batch_size is not None:
+            _require(self.train_micro_batch_size >= 1, "train_micro_batch_size", "must be >= 1")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ZeroConfig:
+        """Build from plain data (JSON, YAML, a REST body); unknown keys are refused by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{', '.join(unknown)}: unknown ZeroConfig field(s)")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,83 @@
+"""Datasets that need no download: a synthetic token stream and byte-level text files.
+
+Every sample is a pure function of its index, so any rank (and any reference run)
+can produce exactly the batch another rank would see at a given step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+class TokenDataset(Protocol):
+    vocab_size: int
+    seq_len: int
+
+    def sample(self, index: int) -> torch.Tensor:
+        """``seq_len + 1`` token ids (inputs and the next-token targets)."""
+        ...
+
+
+class SyntheticTokens:
+    """Tokens from a fixed random Markov chain: each token has ``branching`` successors.
+
+    Unlike uniform noise it can be learned, so a demo's loss visibly falls from
+    ln(vocab) toward ln(branching).
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, branching: int = 4):
+        if vocab_size < 2 or seq_len < 1 or branching < 1:
+            raise ValueError("SyntheticTokens: vocab_size >= 2, seq_len >= 1, branching >= 1")
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        g = torch.Generator().manual_seed(seed)
+        self.successors = torch.randint(vocab_size, (vocab_size, branching), generator=g)
+        self.branching = branching
+        self._succ: list[list[int]] = self.successors.tolist()
+
+    def sample(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        picks = torch.randint(self.branching, (self.seq_len,), generator=g).tolist()
+        token = int(torch.randint(self.vocab_size, (1,), generator=g))
+        succ, out = self._succ, [token]
+        for p in picks:
+            token = succ[token][p]
+            out.append(token)
+        return torch.tensor(out, dtype=torch.long)
+
+
+class ByteText:
+    """A text file read as bytes (vocab 256); sample i starts at a seeded random offset."""
+
+    vocab_size = 256
+
+    def __init__(self, path: str | Path, seq_len: int, seed: int = 0):
+        raw = Path(path).read_bytes()
+        if len(raw) < seq_len + 2:
+            raise ValueError(
+                f"{path}: {len(raw)} bytes is too short for seq_len {seq_len} (need {seq_len + 2})"
+            )
+        self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        self.seq_len, self.seed = seq_len, seed
+
+    def sample(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = int(torch.randint(len(self.data) - self.seq_len - 1, (1,), generator=g))
+        return self.data[start : start + self.seq_len + 1].long()
+
+
+def micro_batch(
+    dataset: TokenDataset,
+    step: int,
+    micro: int,
+    batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    accumulation: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for one rank's micro-batch ``micro`` of optimizer step ``step``."""
+    first = ((step * accumulation + micro) * dp_world + dp_rank) * batch_size
+    rows = torch.stack([dataset.sample(first + i) for i in range(batch_size)])
+    return rows[:, :-1], rows[:, 1:]

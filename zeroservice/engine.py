@@ -1,0 +1,228 @@
+"""The engine: wraps any nn.Module and trains it with ZeRO-DP stages 0, 1 and 2.
+
+Life of a step (``gradient_accumulation_steps`` = A):
+
+    loss = engine(x, y)       forward through the unchanged module
+    engine.backward(loss)     loss x scale / A; hooks reduce finished units (stage 2:
+                              every micro-batch; stages 0/1: the A-th micro-batch)
+    engine.step()             on the A-th call: norm, clip, unscale, optimizer step on
+                              this rank's shard, parameters gathered whole again
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .config import ConfigError, ZeroConfig
+from .flat import FlatUnit, build_units
+from .hooks import GradReducer
+from .memory import (
+    MemoryLedger,
+    expected_model_state_bytes,
+    optimizer_state_bytes_per_param,
+    optimizer_state_tensors,
+    tensor_bytes,
+)
+from .optim import OptimizerFactory, ShardedOptimizer, StepResult
+from .precision import DynamicLossScaler, param_dtype, reduce_dtype
+from .schedule import lr_factor
+from .stages import policy_for
+
+
+class Phase(enum.Enum):
+    """Where the engine is inside an optimizer step."""
+
+    READY = "ready"
+    """Parameters whole; a forward may run; no backward since the last step."""
+    ACCUMULATING = "accumulating"
+    """Between the first backward of a step and the step itself."""
+
+
+@dataclass
+class StepReport:
+    """What the last call to ``step()`` did."""
+
+    applied: bool
+    """An optimizer step ran (False before the last micro-batch or on an overflow)."""
+    grad_norm: float | None
+    skipped: bool
+    lr_factor: float
+    loss_scale: float
+
+
+class Engine:
+    """Data-parallel training with partitioned optimizer states (and gradients)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        optimizer: OptimizerFactory,
+        group: dist.ProcessGroup | None = None,
+    ):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "zeroservice.initialize: torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group (torchrun or any launcher does) first"
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"model: expected an nn.Module, got {type(module).__name__}")
+        if not callable(optimizer):
+            raise ConfigError("optimizer: pass a factory, e.g. lambda ps: torch.optim.AdamW(ps)")
+        self.module, self.config, self.group = module, config, group
+        self.dp_world = dist.get_world_size(group)
+        self.dp_rank = dist.get_rank(group)
+        self.policy = policy_for(config.stage, self.dp_world)
+        self.ledger = comm.CommLedger()
+        dtype = param_dtype(config.precision)
+        if dtype != torch.float32:
+            module.to(dtype)
+        shard_rank = self.dp_rank if self.policy.shard_world > 1 else 0
+        self.units: list[FlatUnit] = build_units(
+            module, config.bucket_elements, dtype, self.policy.shard_world, shard_rank
+        )
+        self._sync_initial_state()
+        self.reducer = GradReducer(
+            self.units,
+            self.policy,
+            grad_dtype=dtype,
+            comm_dtype=reduce_dtype(config.precision, config.reduce_dtype),
+            group=group,
+            ledger=self.ledger,
+            overlap=config.overlap_comm,
+        )
+        self.optimizer = ShardedOptimizer(
+            self.units,
+            self.policy,
+            mixed_precision=dtype != torch.float32,
+            factory=optimizer,
+            group=group,
+            ledger=self.ledger,
+            dp_world=self.dp_world,
+        )
+        self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
+        self.phase = Phase.READY
+        self.micro_steps = 0
+        """Backward passes since the last optimizer step."""
+        self.global_steps = 0
+        """Optimizer steps attempted (applied or skipped)."""
+        self.applied_steps = 0
+        """Optimizer steps applied; drives the learning-rate schedule."""
+        self.last_report: StepReport | None = None
+
+    # -- the training step --------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next backward is the last micro-batch of the step."""
+        return self.micro_steps == self.config.gradient_accumulation_steps - 1
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.micro_steps >= self.config.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"backward: {self.micro_steps} micro-batches already accumulated "
+                f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}); "
+                "call engine.step() after every backward"
+            )
+        self.reducer.pre_backward(self.is_gradient_accumulation_boundary())
+        scale = self.loss_scale / self.config.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward()
+        self.reducer.finalize_backward()
+        self.micro_steps += 1
+        self.phase = Phase.ACCUMULATING
+
+    def step(self) -> StepReport:
+        """Call after every backward; updates the weights after the step's last micro-batch."""
+        if self.phase is not Phase.ACCUMULATING:
+            raise RuntimeError("step: no backward since the last step; call engine.backward first")
+        factor = lr_factor(self.config.lr_schedule, self.applied_steps)
+        if self.micro_steps < self.config.gradient_accumulation_steps:
+            return StepReport(False, None, False, factor, self.loss_scale)
+        scale = self.loss_scale
+        self.optimizer.set_lr_factor(factor)
+        result: StepResult = self.optimizer.step(
+            self.reducer.grad_shards(), scale, self.config.gradient_clipping
+        )
+        if self.scaler is not None:
+            self.scaler.update(result.skipped)
+        if not result.skipped:
+            self.applied_steps += 1
+            comm.wait_all(self.optimizer.publish_params())
+        self.reducer.zero_grads()
+        self.global_steps += 1
+        self.micro_steps = 0
+        self.phase = Phase.READY
+        self.last_report = StepReport(
+            not result.skipped, result.grad_norm, result.skipped, factor, scale
+        )
+        return self.last_report
+
+    # -- ledgers ----------------------------------------------------------------------
+    @property
+    def psi(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def memory_ledger(self) -> MemoryLedger:
+        """Bytes this rank holds, by kind, beside the paper's formula."""
+        big, small = optimizer_state_tensors(self.optimizer.optimizer)
+        k = optimizer_state_bytes_per_param(self.optimizer.optimizer)
+        psi_padded = sum(u.padded_numel for u in self.units)
+        stage, precision, n_d = self.config.stage, self.config.precision, self.dp_world
+
+        def expected(psi: int) -> int | None:
+            if k is None:
+                return None
+            return expected_model_state_bytes(stage, precision, psi, n_d, k)
+
+        return MemoryLedger(
+            stage=stage,
+            precision=precision,
+            n_d=n_d,
+            psi=self.psi,
+            psi_padded=psi_padded,
+            params=tensor_bytes(u.flat for u in self.units),
+            grads=self.reducer.resident_bytes(),
+            master=self.optimizer.master_bytes(),
+            optimizer_states=tensor_bytes(big),
+            optimizer_other=tensor_bytes(small),
+            comm_buffers=self.reducer.pool.resident_bytes,
+            expected=expected(self.psi),
+            expected_padded=expected(psi_padded),
+        )
+
+    def comm_ledger(self) -> comm.CommLedger:
+        """Every collective issued so far: calls, bytes, seconds, bandwidth."""
+        return self.ledger
+
+    # -- conveniences -------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state (parameters are whole on every rank at stages 0-2)."""
+        return self.module.state_dict()
+
+    def _sync_initial_state(self) -> None:
+        """Start every rank from rank 0's weights and buffers, as DDP does."""
+        if self.dp_world == 1:
+            return
+        pending = [comm.broadcast(u.flat, self.ledger, "init", self.group) for u in self.units]
+        pending += [
+            comm.broadcast(b, self.ledger, "init", self.group) for b in self.module.buffers()
+        ]
+        comm.wait_all(pending)

@@ -1,0 +1,138 @@
+"""The flat unit: a group of parameters living in one contiguous buffer.
+
+[Note: flat unit]
+A unit owns one buffer of ``padded_numel`` elements in the training dtype. Each of
+its parameters becomes a view into that buffer, so the module keeps working
+unchanged while the engine moves the whole unit with one collective. The buffer is
+padded with zeros to a multiple of the sharding world N, so rank r owns the equal
+slice ``[r * shard_numel, (r + 1) * shard_numel)`` (its shard). Padding is fewer than
+N elements per unit.
+
+Units are formed in reverse registration order (the order backward produces
+gradients) and hold at most ``bucket_elements`` elements, except a single parameter
+larger than that, which forms a unit of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    names: list[str]
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class FlatUnit:
+    """One contiguous buffer of parameters and its shard geometry. See [Note: flat unit]."""
+
+    index: int
+    slots: list[ParamSlot]
+    shard_world: int
+    shard_rank: int
+    flat: torch.Tensor = field(repr=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.shard_world
+
+    @property
+    def shard_start(self) -> int:
+        return self.shard_rank * self.shard_numel
+
+    def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a unit-sized tensor (the unit's buffer, or a gradient)."""
+        return tensor[self.shard_start : self.shard_start + self.shard_numel]
+
+    def views_of(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a unit-sized tensor, shaped like the parameters."""
+        return [tensor[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+
+def padded_size(numel: int, world: int) -> int:
+    return -(-numel // world) * world
+
+
+def _names_by_param(module: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def group_parameters(
+    module: nn.Module, bucket_elements: int
+) -> list[list[tuple[list[str], nn.Parameter]]]:
+    """Trainable parameters in reverse registration order, packed into size-capped groups."""
+    names = _names_by_param(module)
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups: list[list[tuple[list[str], nn.Parameter]]] = []
+    current: list[tuple[list[str], nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):
+        if current and size + p.numel() > bucket_elements:
+            groups.append(current)
+            current, size = [], 0
+        current.append((names[id(p)], p))
+        size += p.numel()
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build_unit(
+    index: int,
+    group: list[tuple[list[str], nn.Parameter]],
+    dtype: torch.dtype,
+    shard_world: int,
+    shard_rank: int,
+) -> FlatUnit:
+    """Copy a group's parameters into a fresh flat buffer and make them views of it."""
+    device = group[0][1].device
+    slots, offset = [], 0
+    for names, p in group:
+        if p.device != device:
+            raise ValueError(
+                f"parameter {names[0]} is on {p.device}, but {group[0][0][0]} is on {device}: "
+                "the engine needs every parameter on one device"
+            )
+        slots.append(ParamSlot(names, p, offset, p.numel(), p.shape))
+        offset += p.numel()
+    flat = torch.zeros(padded_size(offset, shard_world), dtype=dtype, device=device)
+    unit = FlatUnit(index, slots, shard_world, shard_rank, flat)
+    with torch.no_grad():
+        for slot, view in zip(slots, unit.views_of(flat), strict=True):
+            view.copy_(slot.param.detach())
+            slot.param.data = view
+    return unit
+
+
+def build_units(
+    module: nn.Module,
+    bucket_elements: int,
+    dtype: torch.dtype,
+    shard_world: int,
+    shard_rank: int,
+) -> list[FlatUnit]:
+    groups = group_parameters(module, bucket_elements)
+    if not groups:
+        raise ValueError("the module has no trainable parameters (none with requires_grad)")
+    return [build_unit(i, g, dtype, shard_world, shard_rank) for i, g in enumerate(groups)]

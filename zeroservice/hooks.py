@@ -1,0 +1,285 @@
+"""Backward hooks that reduce each unit's gradients as soon as backward finishes it.
+
+[Note: reduction order]
+Collectives must be issued in the same order on every rank. Gradients can arrive in
+a different order on different ranks (data-dependent control flow, unused
+parameters), so a finished unit is launched only when every unit before it has
+been launched; ``finalize_backward`` launches whatever is left, in index order, with
+zeros for parameters that got no gradient.
+
+[Note: gradient storage]
+Stages 0 and 1 keep a full gradient buffer per unit and make each ``param.grad`` a
+view of it, so autograd accumulates micro-batches in place and nothing is copied
+before the reduction. Stage 2 keeps only the shard: each parameter's gradient is
+copied into a constant-size staging buffer as it arrives and released at once; the
+reduce-scatter output is added to the resident shard.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import comm
+from .flat import FlatUnit
+from .stages import StagePolicy
+
+
+@dataclass
+class _Buffers:
+    staging: torch.Tensor | None
+    out: torch.Tensor | None
+
+
+class BufferPool:
+    """Reusable communication buffers of constant size (the paper's C_B).
+
+    When every buffer is taken and nothing is in flight to free one, a temporary one
+    is allocated and counted in ``overflows`` rather than blocking.
+    """
+
+    def __init__(self, count: int, staging_numel: int, out_numel: int, dtype, device):
+        def make(n: int) -> torch.Tensor | None:
+            return torch.empty(n, dtype=dtype, device=device) if n else None
+
+        self._shape = (staging_numel, out_numel, dtype, device)
+        self._free = [_Buffers(make(staging_numel), make(out_numel)) for _ in range(count)]
+        self.resident_bytes = sum(
+            t.numel() * t.element_size()
+            for b in self._free
+            for t in (b.staging, b.out)
+            if t is not None
+        )
+        self.overflows = 0
+
+    def try_acquire(self) -> _Buffers | None:
+        return self._free.pop() if self._free else None
+
+    def acquire_temporary(self) -> _Buffers:
+        staging_numel, out_numel, dtype, device = self._shape
+        self.overflows += 1
+        return _Buffers(
+            torch.empty(staging_numel, dtype=dtype, device=device) if staging_numel else None,
+            torch.empty(out_numel, dtype=dtype, device=device) if out_numel else None,
+        )
+
+    def release(self, buffers: _Buffers, temporary: bool) -> None:
+        if not temporary:
+            self._free.append(buffers)
+
+
+@dataclass
+class _InFlight:
+    pending: comm.Pending
+    buffers: _Buffers | None
+    temporary: bool
+    finish: Callable[[], None]
+
+
+class GradReducer:
+    """Owns the resident gradients and reduces them across the data-parallel group."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        policy: StagePolicy,
+        grad_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+        group,
+        ledger: comm.CommLedger,
+        overlap: bool,
+    ):
+        self.units, self.policy, self.group, self.ledger = units, policy, group, ledger
+        self.overlap = overlap
+        self.comm_dtype = comm_dtype
+        device = units[0].flat.device
+        self.full_grads: list[torch.Tensor] = []
+        self.shard_grads: list[torch.Tensor] = []
+        if policy.keep_full_grads:
+            self.full_grads = [
+                torch.zeros(u.padded_numel, dtype=grad_dtype, device=device) for u in units
+            ]
+            self._grad_views = [u.views_of(g) for u, g in zip(units, self.full_grads, strict=True)]
+        else:
+            self.shard_grads = [
+                torch.zeros(u.shard_numel, dtype=grad_dtype, device=device) for u in units
+            ]
+        self._cast = comm_dtype != grad_dtype
+        need_staging = (not policy.keep_full_grads) or self._cast
+        need_out = policy.shard_world > 1
+        self.pool = BufferPool(
+            2,
+            max(u.padded_numel for u in units) if need_staging else 0,
+            max(u.shard_numel for u in units) if need_out else 0,
+            comm_dtype,
+            device,
+        )
+        self._active = False
+        self._first_micro = True
+        self._ready = [0] * len(units)
+        self._filled: list[list[bool]] = [[False] * len(u.slots) for u in units]
+        self._staged: dict[int, tuple[_Buffers, bool]] = {}
+        self._next_launch = 0
+        self._inflight: deque[_InFlight] = deque()
+        self._handles = [
+            slot.param.register_post_accumulate_grad_hook(self._hook(u, i))
+            for u in units
+            for i, slot in enumerate(u.slots)
+        ]
+
+    # -- what the optimizer reads -------------------------------------------------
+    def grad_shards(self) -> list[torch.Tensor]:
+        """Per unit, the reduced gradient slice this rank's optimizer consumes."""
+        if self.policy.keep_full_grads:
+            if self.policy.shard_world == 1:
+                return self.full_grads
+            return [u.shard_of(g) for u, g in zip(self.units, self.full_grads, strict=True)]
+        return self.shard_grads
+
+    def zero_grads(self) -> None:
+        for g in self.full_grads:
+            g.zero_()
+        self._first_micro = True
+
+    def resident_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.full_grads + self.shard_grads)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- hook points ----------------------------------------------------------------
+    def pre_backward(self, boundary: bool) -> None:
+        """Arm the hooks for one backward; ``boundary``: the step's last micro-batch."""
+        self._active = self.policy.reduce_every_micro_batch or boundary
+        self._ready = [0] * len(self.units)
+        self._next_launch = 0
+        if self.policy.keep_full_grads:
+            for unit, views in zip(self.units, self._grad_views, strict=True):
+                for slot, view in zip(unit.slots, views, strict=True):
+                    if slot.param.grad is not view:
+                        slot.param.grad = view
+
+    def _hook(self, unit: FlatUnit, slot_index: int):
+        def post_accumulate_grad(param: torch.Tensor) -> None:
+            self.post_accumulate_grad(unit, slot_index, param)
+
+        return post_accumulate_grad
+
+    def post_accumulate_grad(self, unit: FlatUnit, slot_index: int, param: torch.Tensor) -> None:
+        if not self._active:
+            return
+        if not self.policy.keep_full_grads:
+            self._stage(unit, slot_index, param)
+        self._ready[unit.index] += 1
+        if self.overlap:
+            self._launch_ready()
+
+    def finalize_backward(self) -> None:
+        """Launch what is left, in order (see [Note: reduction order]), and wait for all."""
+        if not self._active:
+            return
+        while self._next_launch < len(self.units):
+            self._launch(self.units[self._next_launch])
+            self._next_launch += 1
+        while self._inflight:
+            self._complete_oldest()
+        self._active = False
+        if self.policy.reduce_every_micro_batch:
+            self._first_micro = False
+
+    # -- internals ------------------------------------------------------------------
+    def _acquire(self) -> tuple[_Buffers, bool]:
+        while True:
+            buffers = self.pool.try_acquire()
+            if buffers is not None:
+                return buffers, False
+            if not self._inflight:
+                return self.pool.acquire_temporary(), True
+            self._complete_oldest()
+
+    def _stage(self, unit: FlatUnit, slot_index: int, param: torch.Tensor) -> None:
+        """Stage 2: copy one gradient into the unit's staging buffer and free it."""
+        if unit.index not in self._staged:
+            self._staged[unit.index] = self._acquire()
+        staging = self._staged[unit.index][0].staging
+        assert staging is not None and param.grad is not None
+        slot = unit.slots[slot_index]
+        staging[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        self._filled[unit.index][slot_index] = True
+        param.grad = None
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.units) and self._ready[self._next_launch] == len(
+            self.units[self._next_launch].slots
+        ):
+            self._launch(self.units[self._next_launch])
+            self._next_launch += 1
+
+    def _source(self, unit: FlatUnit) -> tuple[torch.Tensor, _Buffers | None, bool]:
+        """The unit-sized tensor to reduce, and the pool buffers it occupies."""
+        if not self.policy.keep_full_grads:
+            if unit.index not in self._staged:
+                self._staged[unit.index] = self._acquire()
+            buffers, temporary = self._staged.pop(unit.index)
+            assert buffers.staging is not None
+            staging = buffers.staging[: unit.padded_numel]
+            filled = self._filled[unit.index]
+            for slot, done in zip(unit.slots, filled, strict=True):
+                if not done:
+                    staging[slot.offset : slot.offset + slot.numel].zero_()
+            staging[unit.numel :].zero_()
+            self._filled[unit.index] = [False] * len(unit.slots)
+            return staging, buffers, temporary
+        grads = self.full_grads[unit.index]
+        if not self._cast:
+            return grads, None, False
+        buffers, temporary = self._acquire()
+        assert buffers.staging is not None
+        staging = buffers.staging[: unit.padded_numel]
+        staging.copy_(grads)
+        return staging, buffers, temporary
+
+    def _launch(self, unit: FlatUnit) -> None:
+        source, buffers, temporary = self._source(unit)
+        if self.policy.shard_world == 1:
+            pending = comm.all_reduce(source, self.ledger, "grads", self.group)
+            grads = self.full_grads[unit.index]
+
+            def finish() -> None:
+                if source is not grads:
+                    grads.copy_(source)
+        else:
+            if buffers is None:
+                buffers, temporary = self._acquire()
+            assert buffers.out is not None
+            out = buffers.out[: unit.shard_numel]
+            pending = comm.reduce_scatter(out, source, self.ledger, "grads", self.group)
+            finish = self._finish_shard(unit, out)
+        self._inflight.append(_InFlight(pending, buffers, temporary, finish))
+
+    def _finish_shard(self, unit: FlatUnit, out: torch.Tensor) -> Callable[[], None]:
+        if self.policy.keep_full_grads:
+            target = unit.shard_of(self.full_grads[unit.index])
+        else:
+            target = self.shard_grads[unit.index]
+        accumulate = not self.policy.keep_full_grads and not self._first_micro
+
+        def finish() -> None:
+            if accumulate:
+                target.add_(out)
+            else:
+                target.copy_(out)
+
+        return finish
+
+    def _complete_oldest(self) -> None:
+        item = self._inflight.popleft()
+        item.pending.wait()
+        item.finish()
+        if item.buffers is not None:
+            self.pool.release(item.buffers, item.temporary)

@@ -1,0 +1,101 @@
+"""Run a function on N local processes joined by torch.distributed (gloo, loopback).
+
+Tests, benchmarks and the engine demo share it; a cluster uses torchrun or Ray instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        result = fn(*args)
+        torch.save(result, Path(outdir) / f"{rank}.pt")
+    except BaseException:
+        (Path(outdir) / f"{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    threads: int = 1,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` processes; return each rank's result.
+
+    ``fn`` must be importable (a module-level function). A rank that raises fails
+    the whole call with that rank's traceback; a run past ``timeout_s`` is killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zeroservice-run-") as outdir:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, fn, args, outdir, threads, timeout_s, env or {}),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        _join(procs, timeout_s + 30)
+        errors = sorted(Path(outdir).glob("*.err"))
+        if errors:
+            raise RuntimeError(f"rank {errors[0].stem} failed:\n{errors[0].read_text()}")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            codes = [procs[r].exitcode for r in bad]
+            raise RuntimeError(f"ranks {bad} exited with codes {codes}")
+        return [torch.load(Path(outdir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _join(procs, timeout_s: float) -> None:
+    """Wait for all; stop early when one fails (its peers would only hang on it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [p.exitcode for p in procs]
+        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()

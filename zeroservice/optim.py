@@ -1,0 +1,119 @@
+"""The optimizer over this rank's fp32 shards, global-norm clipping, and the param gather.
+
+[Note: shard step]
+The user's optimizer is built over one fp32 master tensor per unit: this rank's
+shard (the whole unit at stage 0). In fp32 the master *is* the shard of the
+parameter buffer (a view, no copy); in bf16/fp16 it is a separate fp32 copy.
+Reduced gradients arrive as sums over the N_d ranks, multiplied by the loss scale;
+one factor ``clip / (N_d * scale)`` turns them into the mean gradient, unscaled and
+clipped, in a single pass. The global norm is summed over shards with one scalar
+all-reduce; a non-finite norm on any rank is then non-finite on all ranks, so every
+rank skips the same overflowed step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import comm
+from .flat import FlatUnit
+from .stages import StagePolicy
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    """Global norm of the mean gradient before clipping (inf/nan on overflow)."""
+    skipped: bool
+    """True when the step was skipped because a gradient overflowed."""
+
+
+class ShardedOptimizer:
+    """Runs the user's optimizer on this rank's shards. See [Note: shard step]."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        policy: StagePolicy,
+        mixed_precision: bool,
+        factory: OptimizerFactory,
+        group,
+        ledger: comm.CommLedger,
+        dp_world: int,
+    ):
+        self.units, self.policy, self.group, self.ledger = units, policy, group, ledger
+        self.mixed = mixed_precision
+        self.dp_world = dp_world
+        self.masters = [nn.Parameter(self._initial_master(u)) for u in units]
+        self.optimizer = factory(self.masters)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer: the factory must return a torch.optim.Optimizer, "
+                f"got {type(self.optimizer).__name__}"
+            )
+        given = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if given != {id(m) for m in self.masters}:
+            raise ValueError(
+                "optimizer: the factory must build the optimizer over exactly the parameters "
+                "it is given (the engine's fp32 shards), not the model's own parameters"
+            )
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+
+    def _param_slice(self, unit: FlatUnit) -> torch.Tensor:
+        return unit.flat if self.policy.shard_world == 1 else unit.shard_of(unit.flat)
+
+    def _initial_master(self, unit: FlatUnit) -> torch.Tensor:
+        piece = self._param_slice(unit)
+        return piece.detach().float().clone() if self.mixed else piece.detach()
+
+    def master_bytes(self) -> int:
+        if not self.mixed:
+            return 0
+        return sum(m.numel() * m.element_size() for m in self.masters)
+
+    def set_lr_factor(self, factor: float) -> None:
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
+
+    def global_grad_norm(self, grads: list[torch.Tensor], loss_scale: float) -> float:
+        """Norm of the mean, unscaled gradient over all shards (one scalar all-reduce)."""
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        if self.policy.shard_world > 1:
+            comm.all_reduce(sq, self.ledger, "norm", self.group).wait()
+        return math.sqrt(sq.item()) / (self.dp_world * loss_scale)
+
+    def step(self, grads: list[torch.Tensor], loss_scale: float, max_norm: float) -> StepResult:
+        norm = self.global_grad_norm(grads, loss_scale)
+        if not math.isfinite(norm):
+            return StepResult(norm, skipped=True)
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        factor = clip / (self.dp_world * loss_scale)
+        for master, g in zip(self.masters, grads, strict=True):
+            if self.mixed:
+                master.grad = g.float().mul_(factor)
+            else:
+                master.grad = g.mul_(factor) if factor != 1.0 else g
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        return StepResult(norm, skipped=False)
+
+    def publish_params(self) -> list[comm.Pending]:
+        """Write the updated masters into the parameter buffers and start the all-gathers."""
+        pending = []
+        for unit, master in zip(self.units, self.masters, strict=True):
+            piece = self._param_slice(unit)
+            if self.mixed:
+                piece.copy_(master.detach())
+            if self.policy.gathers_params:
+                pending.append(comm.all_gather(unit.flat, piece, self.ledger, "params", self.group))
+        return pending

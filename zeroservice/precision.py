@@ -1,0 +1,69 @@
+"""Training dtypes and fp16's dynamic loss scaling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import LossScaleConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    return DTYPES[precision]
+
+
+def reduce_dtype(precision: str, reduce: str) -> torch.dtype:
+    return torch.float32 if reduce == "fp32" else DTYPES[precision]
+
+
+@dataclass
+class DynamicLossScaler:
+    """Scale the loss so fp16 gradients do not underflow; back off when they overflow.
+
+    An overflow on any rank is agreed by all ranks before this is called (the engine
+    all-reduces the gradient norm, which is non-finite on every rank if any rank
+    overflowed), so every rank skips the same steps and keeps the same scale.
+    """
+
+    config: LossScaleConfig = field(default_factory=LossScaleConfig)
+    scale: float = 0.0
+    clean_steps: int = 0
+    hysteresis_left: int = 0
+    skipped_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scale == 0.0:
+            self.scale = self.config.initial_scale
+        self.hysteresis_left = self.config.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        cfg = self.config
+        if overflow:
+            self.skipped_steps += 1
+            self.clean_steps = 0
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
+                self.hysteresis_left = cfg.hysteresis
+            return
+        self.clean_steps += 1
+        if self.clean_steps % cfg.growth_interval == 0:
+            self.scale *= cfg.growth_factor
+            self.hysteresis_left = cfg.hysteresis
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.skipped_steps = int(state["skipped_steps"])
