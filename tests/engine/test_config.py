@@ -1,0 +1,147 @@
+"""Configuration errors name their field; DeepSpeed configs translate or are refused by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zeroservice
+from zeroservice import ConfigError, ZeroConfig, from_deepspeed
+from zeroservice.config import LossScaleConfig, ScheduleConfig
+from zeroservice.precision import DynamicLossScaler
+from zeroservice.schedule import lr_factor
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"stage": 5}, "stage"),
+        ({"stage": "2"}, "stage"),
+        ({"precision": "fp8"}, "precision"),
+        ({"reduce_dtype": "int8"}, "reduce_dtype"),
+        ({"bucket_elements": 10}, "bucket_elements"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"gradient_clipping": -1.0}, "gradient_clipping"),
+        ({"lr_schedule": {"kind": "cosine"}}, "lr_schedule.total_steps"),
+        ({"lr_schedule": {"kind": "step"}}, "lr_schedule.kind"),
+        ({"loss_scale": {"backoff_factor": 2.0}}, "loss_scale.backoff_factor"),
+        ({"train_micro_batch_size": 0}, "train_micro_batch_size"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=rf"^{field}:"):
+        ZeroConfig(**kwargs)
+
+
+def test_unknown_field_is_refused():
+    with pytest.raises(ConfigError, match="offload_everything: unknown ZeroConfig field"):
+        ZeroConfig.from_dict({"stage": 1, "offload_everything": True})
+
+
+def test_config_round_trips_through_dict():
+    cfg = ZeroConfig(stage=1, precision="bf16", lr_schedule=ScheduleConfig("cosine", 2, 10))
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_initialize_without_process_group_says_so():
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        zeroservice.initialize(nn.Linear(2, 2), ZeroConfig(), optimizer=torch.optim.AdamW)
+
+
+def test_initialize_without_optimizer_says_so():
+    with pytest.raises(ConfigError, match="^optimizer:"):
+        zeroservice.initialize(nn.Linear(2, 2), ZeroConfig())
+
+
+def test_deepspeed_config_translates():
+    ds = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "communication_data_type": "fp32",
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 5e7,
+            "allgather_bucket_size": 5e7,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": 100, "warmup_num_steps": 10},
+        },
+    }
+    settings = from_deepspeed(ds, world_size=4)
+    cfg = settings.config
+    assert (cfg.stage, cfg.precision, cfg.reduce_dtype) == (2, "bf16", "fp32")
+    assert cfg.gradient_accumulation_steps == 2 and cfg.train_micro_batch_size == 4
+    assert cfg.bucket_elements == 50_000_000 and cfg.gradient_clipping == 0.5
+    assert cfg.lr_schedule.kind == "cosine" and cfg.lr_schedule.total_steps == 100
+    opt = settings.optimizer([nn.Parameter(torch.zeros(3))])
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.95)
+
+
+def test_deepspeed_fp16_section():
+    cfg = from_deepspeed(
+        {"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 50}}
+    ).config
+    assert cfg.precision == "fp16"
+    assert cfg.loss_scale.initial_scale == 4096 and cfg.loss_scale.growth_interval == 50
+
+
+@pytest.mark.parametrize(
+    "ds,name",
+    [
+        ({"zero_optimization": {"offload_optimizer": {}}}, "zero_optimization.offload_optimizer"),
+        ({"steps_per_print": 10}, "steps_per_print"),
+        ({"zero_optimization": {"reduce_scatter": False}}, "zero_optimization.reduce_scatter"),
+        ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),
+        ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 1, "foo": 2}}}, "optimizer.params.foo"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled"),
+        ({"zero_optimization": {"stage": 3}}, "stage"),
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size"),
+    ],
+)
+def test_deepspeed_unsupported_keys_are_refused_by_name(ds, name):
+    with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+        from_deepspeed(ds, world_size=2 if "train_batch_size" not in ds else None)
+
+
+def test_deepspeed_batch_size_inconsistent_with_world():
+    with pytest.raises(ConfigError, match="train_batch_size=30"):
+        from_deepspeed({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+
+
+def test_schedule_shapes():
+    cos = ScheduleConfig("cosine", warmup_steps=4, total_steps=14, min_ratio=0.1)
+    factors = [lr_factor(cos, s) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0 and math.isclose(factors[9], 0.55)
+    assert factors[14:] == [pytest.approx(0.1)] * 6
+    lin = ScheduleConfig("linear", total_steps=10)
+    assert lr_factor(lin, 5) == 0.5 and lr_factor(ScheduleConfig(), 1000) == 1.0
+
+
+def test_loss_scaler_backs_off_with_hysteresis_and_grows_back():
+    s = DynamicLossScaler(LossScaleConfig(initial_scale=64, growth_interval=2, hysteresis=2))
+    s.update(overflow=True)
+    assert s.scale == 64 and s.skipped_steps == 1
+    s.update(overflow=True)
+    assert s.scale == 32 and s.skipped_steps == 2
+    s.update(overflow=False)
+    s.update(overflow=False)
+    assert s.scale == 64
+    s2 = DynamicLossScaler(LossScaleConfig(initial_scale=2, min_scale=1))
+    for _ in range(5):
+        s2.update(overflow=True)
+    assert s2.scale == 1
+    restored = DynamicLossScaler()
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
