@@ -8,6 +8,7 @@ same model, fed the same batches.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ class Spec:
     schedule: dict = field(default_factory=dict)
     batch: int = 2
     overlap: bool = True
+    collectives: str = "auto"
+    fuse: bool = True
 
 
 def _model(spec: Spec) -> GPT:
@@ -98,6 +101,8 @@ def engine_for(spec: Spec):
         bucket_elements=spec.bucket_elements,
         lr_schedule=ScheduleConfig(**spec.schedule),
         overlap_comm=spec.overlap,
+        collectives=spec.collectives,
+        fuse_optimizer=spec.fuse,
     )
     return zeroservice.initialize(_model(spec), config, optimizer=_adamw(spec))
 
@@ -183,4 +188,60 @@ def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:
         "final_scale": engine.loss_scale,
         "skipped": engine.scaler.skipped_steps,
         "applied_steps": engine.applied_steps,
+    }
+
+
+class _Branchy(torch.nn.Module):
+    """A parameter that only some ranks use on some steps (data-dependent control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(16, 16)
+        self.rare = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, use_rare: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        if use_rare:
+            h = torch.tanh(self.rare(h))
+        return self.head(h).pow(2).mean()
+
+
+def unused_parameters(stages: list[int]) -> list[dict]:
+    return [unused_parameters_at(stage) for stage in stages]
+
+
+def unused_parameters_at(stage: int, steps: int = 6) -> dict:
+    """Ranks disagree on which parameters get gradients; the engine must neither hang
+    nor diverge, and must match DDP(find_unused_parameters=True)."""
+    rank = dist.get_rank()
+    torch.manual_seed(3)
+    model = _Branchy()
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = zeroservice.initialize(
+        model,
+        ZeroConfig(stage=stage, bucket_elements=1024),
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    )
+    losses, ref_losses = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x = torch.randn(4, 16, generator=g)
+        use_rare = (step + rank) % 2 == 0
+        loss = engine(x, use_rare)
+        engine.backward(loss)
+        engine.step()
+        losses.append(_mean_over_ranks(loss.item()))
+        ref_loss = ddp(x, use_rare)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(_mean_over_ranks(ref_loss.item()))
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "ref_state": {k: v.detach().clone() for k, v in ref.state_dict().items()},
     }

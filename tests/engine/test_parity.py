@@ -17,6 +17,8 @@ CASES = {
     "untied": {"tie": False},
     "cosine": {"schedule": {"kind": "cosine", "warmup_steps": 3, "total_steps": 10}},
     "no-overlap": {"overlap": False},
+    "native-collectives": {"collectives": "native"},
+    "unfused-adamw": {"fuse": False},
 }
 WORLD_CASES = {2: list(CASES), 4: ["plain", "accum4", "clip"]}
 

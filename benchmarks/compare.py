@@ -1,0 +1,177 @@
+"""Side-by-side: our ZeRO stages 0-2 against DDP, torch ZeRO-1, FSDP2 and DeepSpeed.
+
+Every system trains the same GPT on the same batches, world 2 on CPU/gloo, fp32 AdamW,
+no clipping, one torch thread per rank. Systems run interleaved (A B C A B C ...),
+each run in fresh processes, and ratios are taken within a repeat, so that drift of a
+shared machine hits both sides of a ratio alike.
+
+    python -m benchmarks.compare --model small --repeats 3 --steps 8
+    python -m benchmarks.compare --model large --repeats 2 --steps 4
+
+Prints a table and writes JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.systems import MODELS, SYSTEMS, run_system
+from zeroservice.launch import run_local
+
+PAPER_FP32_BYTES = {0: 16, 1: 8 + 8 / 2, 2: 4 + 12 / 2, 3: 16 / 2}
+"""Model-state bytes per parameter at N_d = 2 in fp32 with Adam, by stage."""
+
+
+def _available(names: list[str]) -> list[str]:
+    have_ds = importlib.util.find_spec("deepspeed") is not None
+    return [n for n in names if have_ds or not n.startswith("deepspeed")]
+
+
+def _one_run(name: str, args) -> dict:
+    ranks = run_local(run_system, 2, name, args.model, args.steps, args.warmup, timeout_s=3000)
+    r0 = ranks[0]
+    r0["median_s"] = statistics.median(r0["times"])
+    r0["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ranks)
+    return r0
+
+
+def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    out = {}
+    for name, rs in runs.items():
+        medians = [r["median_s"] for r in rs]
+        first = rs[0]
+        psi = first["psi"]
+        out[name] = {
+            "stage": SYSTEMS[name][0],
+            "median_step_s": statistics.median(medians),
+            "run_medians_s": medians,
+            "tokens_per_s": first["tokens_per_step"] / statistics.median(medians),
+            "model_state_bytes": first["model_state_bytes"],
+            "bytes_per_param": first["model_state_bytes"] / psi,
+            "paper_bytes_per_param": PAPER_FP32_BYTES[SYSTEMS[name][0]],
+            "comm_psi_per_step": (
+                None
+                if first["comm_elements_per_step"] is None
+                else first["comm_elements_per_step"] / psi
+            ),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+            "final_loss": first["losses"][-1],
+            "losses": first["losses"],
+            "psi": psi,
+        }
+    return out
+
+
+def _ratios(runs: dict[str, list[dict]]) -> list[dict]:
+    """Ours / each peer at the same stage, per repeat (interleaved pairs)."""
+    out = []
+    for ours in ("zero0", "zero1", "zero2"):
+        if ours not in runs:
+            continue
+        stage = SYSTEMS[ours][0]
+        for peer, (peer_stage, _) in SYSTEMS.items():
+            if peer.startswith("zero") or peer not in runs or peer_stage != stage:
+                continue
+            per_repeat = [
+                a["median_s"] / b["median_s"] for a, b in zip(runs[ours], runs[peer], strict=True)
+            ]
+            out.append(
+                {
+                    "ours": ours,
+                    "peer": peer,
+                    "stage": stage,
+                    "ratio_median": statistics.median(per_repeat),
+                    "ratio_min": min(per_repeat),
+                    "ratio_max": max(per_repeat),
+                }
+            )
+    return out
+
+
+def _print(summary: dict[str, dict], ratios: list[dict], args) -> None:
+    psi = next(iter(summary.values()))["psi"]
+    print(f"\nGPT '{args.model}' ({psi / 1e6:.1f}M parameters), world 2, gloo, fp32 AdamW")
+    print(f"{args.repeats} interleaved repeats x {args.steps} timed steps (+{args.warmup} warm-up)")
+    print("B/param: model-state bytes per parameter on rank 0, after the last backward\n")
+    head = (
+        f"{'system':<12}{'stage':>6}{'step s':>9}{'spread':>15}{'tok/s':>9}"
+        f"{'B/param':>9}{'paper':>7}{'comm Ψ':>8}{'RSS MiB':>9}{'loss':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    for name, s in summary.items():
+        spread = f"{min(s['run_medians_s']):.3f}-{max(s['run_medians_s']):.3f}"
+        comm = "-" if s["comm_psi_per_step"] is None else f"{s['comm_psi_per_step']:.2f}"
+        print(
+            f"{name:<12}{s['stage']:>6}{s['median_step_s']:>9.3f}{spread:>15}"
+            f"{s['tokens_per_s']:>9.0f}{s['bytes_per_param']:>9.2f}"
+            f"{s['paper_bytes_per_param']:>7.1f}{comm:>8}{s['peak_rss_mib']:>9.0f}"
+            f"{s['final_loss']:>9.4f}"
+        )
+    print("\nstep-time ratio, ours / peer at the same stage (median, min-max over repeats)")
+    for r in ratios:
+        print(
+            f"  {r['ours']:<6} / {r['peer']:<12} {r['ratio_median']:.3f}  "
+            f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated")
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's default malloc settings (else MALLOC_MMAP_THRESHOLD_=131072)",
+    )
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    names = _available([n.strip() for n in args.systems.split(",") if n.strip()])
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems: {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if not args.default_malloc:
+        # Inherited by the spawned ranks; glibc reads it at process start.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for repeat in range(args.repeats):
+        for name in names:
+            t0 = time.time()
+            runs[name].append(_one_run(name, args))
+            print(
+                f"repeat {repeat + 1}/{args.repeats} {name:<12} "
+                f"median {runs[name][-1]['median_s']:.3f} s  ({time.time() - t0:.0f} s wall)",
+                file=sys.stderr,
+                flush=True,
+            )
+    summary, ratios = _summary(runs), _ratios(runs)
+    _print(summary, ratios, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"compare-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    meta = {
+        "model": args.model,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "ratios": ratios}, indent=2))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
