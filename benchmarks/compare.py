@@ -5,8 +5,11 @@ no clipping, one torch thread per rank. Systems run interleaved (A B C A B C ...
 each run in fresh processes, and ratios are taken within a repeat, so that drift of a
 shared machine hits both sides of a ratio alike.
 
-    python -m benchmarks.compare --model small --repeats 3 --steps 8
-    python -m benchmarks.compare --model large --repeats 2 --steps 4
+    python -m benchmarks.compare --model small --repeats 3 --steps 8 --paired-steps 20
+    python -m benchmarks.compare --model large --repeats 2 --steps 4 --paired-steps 6
+
+``--paired-steps`` adds the most drift-proof ratio: ours and one peer built in the same
+ranks and stepped in rotation on the same batches.
 
 Prints a table and writes JSON to benchmarks/results/.
 """
@@ -22,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.systems import MODELS, SYSTEMS, run_system
+from benchmarks.systems import MODELS, SYSTEMS, run_pair, run_system
 from zeroservice.launch import run_local
 
 PAPER_FP32_BYTES = {0: 16, 1: 8 + 8 / 2, 2: 4 + 12 / 2, 3: 16 / 2}
@@ -95,6 +98,62 @@ def _ratios(runs: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
+PAIRS = [
+    ("zero0", "ddp"),
+    ("zero1", "torch_zero1"),
+    ("zero1", "deepspeed1"),
+    ("zero2", "deepspeed2"),
+]
+
+
+def _paired(names: list[str], args) -> list[dict]:
+    """Ours and each same-stage peer in the same ranks, stepped in rotation."""
+    out = []
+    for ours, peer in PAIRS:
+        if ours not in names or peer not in names:
+            continue
+        t0 = time.time()
+        r = run_local(
+            run_pair, 2, [ours, peer], args.model, args.paired_steps, args.warmup, timeout_s=3000
+        )[0]
+        ratios = sorted(a / b for a, b in zip(r["times"][ours], r["times"][peer], strict=True))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        out.append(
+            {
+                "ours": ours,
+                "peer": peer,
+                "steps": len(ratios),
+                "ratio_median": statistics.median(ratios),
+                "ratio_q1": q[0],
+                "ratio_q3": q[2],
+                "ours_median_s": statistics.median(r["times"][ours]),
+                "peer_median_s": statistics.median(r["times"][peer]),
+                "max_loss_diff": max(
+                    abs(a - b) for a, b in zip(r["losses"][ours], r["losses"][peer], strict=True)
+                ),
+            }
+        )
+        print(
+            f"paired {ours}/{peer}: {out[-1]['ratio_median']:.3f} ({time.time() - t0:.0f} s wall)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return out
+
+
+def _print_paired(paired: list[dict]) -> None:
+    print("\npaired step-time ratio, ours / peer, same ranks stepped in rotation")
+    print(
+        f"  {'pair':<22}{'steps':>6}{'median':>8}{'q1-q3':>15}{'ours s':>8}{'peer s':>8}{'|dloss|':>10}"
+    )
+    for p in paired:
+        print(
+            f"  {p['ours'] + ' / ' + p['peer']:<22}{p['steps']:>6}{p['ratio_median']:>8.3f}"
+            f"{p['ratio_q1']:>8.3f}-{p['ratio_q3']:.3f}{p['ours_median_s']:>8.3f}"
+            f"{p['peer_median_s']:>8.3f}{p['max_loss_diff']:>10.1e}"
+        )
+
+
 def _print(summary: dict[str, dict], ratios: list[dict], args) -> None:
     psi = next(iter(summary.values()))["psi"]
     print(f"\nGPT '{args.model}' ({psi / 1e6:.1f}M parameters), world 2, gloo, fp32 AdamW")
@@ -135,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep glibc's default malloc settings (else MALLOC_MMAP_THRESHOLD_=131072)",
     )
+    parser.add_argument(
+        "--paired-steps",
+        type=int,
+        default=0,
+        help="also time ours against each same-stage peer in the same ranks, in rotation",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     names = _available([n.strip() for n in args.systems.split(",") if n.strip()])
@@ -156,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+    paired = _paired(names, args) if args.paired_steps else []
     summary, ratios = _summary(runs), _ratios(runs)
     _print(summary, ratios, args)
+    if paired:
+        _print_paired(paired)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"compare-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -168,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
     }
-    path.write_text(json.dumps({"meta": meta, "summary": summary, "ratios": ratios}, indent=2))
+    path.write_text(
+        json.dumps({"meta": meta, "summary": summary, "ratios": ratios, "paired": paired}, indent=2)
+    )
     print(f"\nwrote {path}")
     return 0
 

@@ -217,3 +217,32 @@ def run_system(name: str, model_name: str, steps: int, warmup: int) -> dict:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "tokens_per_step": MICRO_BATCH * cfg.seq_len * world,
     }
+
+
+def run_pair(names: list[str], model_name: str, steps: int, warmup: int) -> dict:
+    """Build several systems in the same ranks and step them in rotation.
+
+    Each step every system trains on the same batch; the order rotates from step to
+    step. Drift of a shared machine then hits all systems alike, and the ratio of two
+    systems' times within one rotation is a robust estimate of their speed ratio.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = MODELS[model_name]
+    trainers = {}
+    for name in names:
+        torch.manual_seed(0)
+        trainers[name] = SYSTEMS[name][1](GPT(cfg))
+    data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=1)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    losses: dict[str, list[float]] = {n: [] for n in names}
+    for step in range(warmup + steps):
+        x, y = micro_batch(data, step, 0, MICRO_BATCH, rank, world)
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[name].append(trainers[name].backward(x, y))
+            trainers[name].update()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {"times": times, "losses": losses}
