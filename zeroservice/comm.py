@@ -1,10 +1,11 @@
 """Collectives that record what they move.
 
-Each collective is a small free function that launches the op and returns a
-:class:`Pending` handle; waiting on the handle closes its ledger entry. The ledger
+Each collective launches asynchronously and returns a :class:`Pending` handle;
+waiting on the handle closes its ledger entry. The ledger
 keeps, per (op, tag), the calls, payload bytes (nccl-tests' "size": the full
 tensor of an all-reduce, the full input of a reduce-scatter, the full output of an
-all-gather), seconds from launch to completion, and the paper's volume (an
+all-gather), seconds (the op's own run time for rings; launch to completion for native ops, which
+may include time overlapped with compute), and the paper's volume (an
 all-reduce moves 2x its payload per rank, a reduce-scatter or all-gather 1x).
 
 [Note: bus bandwidth]
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .ring import RingComm
+
 _VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
 _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -38,6 +41,8 @@ class CollectiveStats:
     op: str
     tag: str
     world_size: int
+    impl: str
+    """How it ran: "native" (the backend's own op) or "ring" (point-to-point ring)."""
     calls: int = 0
     payload_bytes: int = 0
     payload_elements: int = 0
@@ -60,6 +65,7 @@ class CollectiveStats:
         return {
             "op": self.op,
             "tag": self.tag,
+            "impl": self.impl,
             "calls": self.calls,
             "payload_bytes": self.payload_bytes,
             "payload_elements": self.payload_elements,
@@ -76,11 +82,13 @@ class CommLedger:
 
     entries: dict[tuple[str, str], CollectiveStats] = field(default_factory=dict)
 
-    def record(self, op: str, tag: str, tensor: torch.Tensor, world: int, secs: float) -> None:
+    def record(
+        self, op: str, tag: str, tensor: torch.Tensor, world: int, secs: float, impl: str
+    ) -> None:
         key = (op, tag)
         stats = self.entries.get(key)
         if stats is None:
-            stats = self.entries[key] = CollectiveStats(op, tag, world)
+            stats = self.entries[key] = CollectiveStats(op, tag, world, impl)
         stats.calls += 1
         stats.payload_elements += tensor.numel()
         stats.payload_bytes += tensor.numel() * tensor.element_size()
@@ -99,58 +107,95 @@ class CommLedger:
 class Pending:
     """An in-flight collective; ``wait()`` blocks and closes its ledger entry."""
 
-    __slots__ = ("_work", "_ledger", "_op", "_tag", "_payload", "_world", "_t0", "_done")
+    __slots__ = ("_wait", "_ledger", "_key", "_payload", "_world", "_impl", "_t0", "_done")
 
-    def __init__(self, work, ledger, op, tag, payload, world):
-        self._work, self._ledger, self._op, self._tag = work, ledger, op, tag
-        self._payload, self._world = payload, world
+    def __init__(self, wait, ledger, op, tag, payload, world, impl):
+        self._wait, self._ledger, self._key = wait, ledger, (op, tag)
+        self._payload, self._world, self._impl = payload, world, impl
         self._t0 = time.perf_counter()
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
-        if self._work is not None:
-            self._work.wait()
+        measured = self._wait()
         self._done = True
-        secs = time.perf_counter() - self._t0
-        self._ledger.record(self._op, self._tag, self._payload, self._world, secs)
-
-
-def _world(group) -> int:
-    return dist.get_world_size(group)
-
-
-def all_reduce(tensor, ledger: CommLedger, tag: str, group=None, op=dist.ReduceOp.SUM) -> Pending:
-    """Sum (or ``op``) ``tensor`` in place across ``group``."""
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return Pending(work, ledger, "all_reduce", tag, tensor, _world(group))
-
-
-def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, ledger: CommLedger, tag: str, group=None
-) -> Pending:
-    """Sum ``input`` (world x len(output) elements) across ranks; rank r keeps chunk r."""
-    work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
-    return Pending(work, ledger, "reduce_scatter", tag, input, _world(group))
-
-
-def all_gather(
-    output: torch.Tensor, input: torch.Tensor, ledger: CommLedger, tag: str, group=None
-) -> Pending:
-    """Concatenate every rank's ``input`` into ``output``; ``input`` may alias its slot."""
-    work = dist.all_gather_single(output, input, group=group, async_op=True)
-    return Pending(work, ledger, "all_gather", tag, output, _world(group))
-
-
-def broadcast(tensor, ledger: CommLedger, tag: str, group=None, src_group_rank: int = 0):
-    """Copy ``tensor`` from the group's rank ``src_group_rank`` to every rank, in place."""
-    src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
-    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return Pending(work, ledger, "broadcast", tag, tensor, _world(group))
+        secs = measured if measured is not None else time.perf_counter() - self._t0
+        op, tag = self._key
+        self._ledger.record(op, tag, self._payload, self._world, secs, self._impl)
 
 
 def wait_all(pending: list[Pending]) -> None:
     for p in pending:
         p.wait()
     pending.clear()
+
+
+class Communicator:
+    """The engine's collectives over one group, each recorded in the ledger.
+
+    Reduce-scatter and all-gather work in place on a buffer of N equal chunks (see
+    [Note: rings on gloo] in ring.py): natively where the backend is fast (NCCL),
+    as point-to-point rings on gloo, whose own versions are 2-4x slower. The ledger
+    names the implementation of each entry.
+    """
+
+    def __init__(self, group, ledger: CommLedger, impl: str = "auto"):
+        self.group, self.ledger = group, ledger
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.backend = str(dist.get_backend(group))
+        use_ring = impl == "ring" or (impl == "auto" and self.backend == "gloo")
+        self.ring = RingComm(group) if use_ring and self.world > 1 else None
+
+    def _pending(self, wait, op, tag, payload, impl="native") -> Pending:
+        return Pending(wait, self.ledger, op, tag, payload, self.world, impl)
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> Pending:
+        """Sum (or ``op``) ``tensor`` in place across the group."""
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return self._pending(work.wait, "all_reduce", tag, tensor)
+
+    def broadcast(self, tensor: torch.Tensor, tag: str, src_group_rank: int = 0) -> Pending:
+        """Copy ``tensor`` from the group's rank ``src_group_rank`` to every rank."""
+        g = self.group
+        src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
+        work = dist.broadcast(tensor, src=src, group=g, async_op=True)
+        return self._pending(work.wait, "broadcast", tag, tensor)
+
+    def chunk(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a buffer of N equal chunks."""
+        return buffer.view(self.world, -1)[self.rank]
+
+    def reduce_scatter(self, buffer: torch.Tensor, tag: str) -> Pending:
+        """Sum ``buffer`` across ranks into this rank's chunk (other chunks: scratch)."""
+        if self.ring is not None:
+            future = self.ring.reduce_scatter(buffer)
+            return self._pending(future.result, "reduce_scatter", tag, buffer, "ring")
+        out = self.chunk(buffer)
+        if self.backend == "nccl":  # NCCL reduces in place when out is chunk `rank`.
+            work = dist.reduce_scatter_single(out, buffer, group=self.group, async_op=True)
+            return self._pending(work.wait, "reduce_scatter", tag, buffer)
+        tmp = torch.empty_like(out)
+        work = dist.reduce_scatter_single(tmp, buffer, group=self.group, async_op=True)
+
+        def wait() -> None:
+            work.wait()
+            out.copy_(tmp)
+
+        return self._pending(wait, "reduce_scatter", tag, buffer)
+
+    def all_gather(self, buffer: torch.Tensor, tag: str) -> Pending:
+        """Fill every chunk of ``buffer`` from its owner; this rank's chunk is the input."""
+        if self.ring is not None:
+            future = self.ring.all_gather(buffer)
+            return self._pending(future.result, "all_gather", tag, buffer, "ring")
+        work = dist.all_gather_single(buffer, self.chunk(buffer), group=self.group, async_op=True)
+        return self._pending(work.wait, "all_gather", tag, buffer)
+
+    def buffer_bytes(self) -> int:
+        return self.ring.scratch_bytes if self.ring is not None else 0
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.shutdown()

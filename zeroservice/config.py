@@ -15,6 +15,7 @@ from typing import Any, Literal
 Precision = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["param", "fp32"]
 ScheduleKind = Literal["constant", "cosine", "linear"]
+Collectives = Literal["auto", "native", "ring"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -126,6 +127,14 @@ class ZeroConfig:
     """Max global gradient norm (0 disables clipping)."""
     overlap_comm: bool = True
     """Launch gradient reductions from backward hooks while backward continues."""
+    collectives: Collectives = "auto"
+    """How reduce-scatter and all-gather run: "native" (the backend's own ops), "ring"
+    (point-to-point rings on a background thread), or "auto": rings on gloo, whose
+    own ops are slow, native elsewhere (NCCL)."""
+    fuse_optimizer: bool = True
+    """When the factory returns torch's Adam or AdamW with neither ``foreach`` nor
+    ``fused`` chosen, rebuild it with ``fused=True``: one pass over each flat shard
+    instead of seven (the same update, to float rounding). An explicit choice is kept."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train_micro_batch_size: int | None = None
@@ -161,6 +170,11 @@ class ZeroConfig:
             and self.gradient_accumulation_steps >= 1,
             "gradient_accumulation_steps",
             f"{self.gradient_accumulation_steps!r} must be an integer >= 1",
+        )
+        _require(
+            self.collectives in ("auto", "native", "ring"),
+            "collectives",
+            f"{self.collectives!r} is not 'auto', 'native' or 'ring'",
         )
         _require(self.gradient_clipping >= 0, "gradient_clipping", "must be >= 0 (0 disables)")
         if self.train_micro_batch_size is not None:

@@ -87,14 +87,18 @@ class Engine:
         self.units: list[FlatUnit] = build_units(
             module, config.bucket_elements, dtype, self.policy.shard_world, shard_rank
         )
+        self.comm = comm.Communicator(group, self.ledger, config.collectives)
         self._sync_initial_state()
+        grad_comm_dtype = reduce_dtype(config.precision, config.reduce_dtype)
+        if self.comm.ring is not None:
+            largest_shard = max(u.shard_numel for u in self.units)
+            self.comm.ring.reserve(largest_shard, grad_comm_dtype, self.units[0].flat.device)
         self.reducer = GradReducer(
             self.units,
             self.policy,
             grad_dtype=dtype,
-            comm_dtype=reduce_dtype(config.precision, config.reduce_dtype),
-            group=group,
-            ledger=self.ledger,
+            comm_dtype=grad_comm_dtype,
+            communicator=self.comm,
             overlap=config.overlap_comm,
         )
         self.optimizer = ShardedOptimizer(
@@ -102,9 +106,9 @@ class Engine:
             self.policy,
             mixed_precision=dtype != torch.float32,
             factory=optimizer,
-            group=group,
-            ledger=self.ledger,
+            communicator=self.comm,
             dp_world=self.dp_world,
+            fuse=config.fuse_optimizer,
         )
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.phase = Phase.READY
@@ -196,7 +200,7 @@ class Engine:
             master=self.optimizer.master_bytes(),
             optimizer_states=tensor_bytes(big),
             optimizer_other=tensor_bytes(small),
-            comm_buffers=self.reducer.pool.resident_bytes,
+            comm_buffers=self.reducer.pool.resident_bytes + self.comm.buffer_bytes(),
             expected=expected(self.psi),
             expected_padded=expected(psi_padded),
         )
@@ -221,8 +225,6 @@ class Engine:
         """Start every rank from rank 0's weights and buffers, as DDP does."""
         if self.dp_world == 1:
             return
-        pending = [comm.broadcast(u.flat, self.ledger, "init", self.group) for u in self.units]
-        pending += [
-            comm.broadcast(b, self.ledger, "init", self.group) for b in self.module.buffers()
-        ]
+        pending = [self.comm.broadcast(u.flat, "init") for u in self.units]
+        pending += [self.comm.broadcast(b, "init") for b in self.module.buffers()]
         comm.wait_all(pending)

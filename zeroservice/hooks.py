@@ -28,53 +28,38 @@ from .flat import FlatUnit
 from .stages import StagePolicy
 
 
-@dataclass
-class _Buffers:
-    staging: torch.Tensor | None
-    out: torch.Tensor | None
-
-
 class BufferPool:
-    """Reusable communication buffers of constant size (the paper's C_B).
+    """Reusable staging buffers of constant size (the paper's C_B).
 
     When every buffer is taken and nothing is in flight to free one, a temporary one
     is allocated and counted in ``overflows`` rather than blocking.
     """
 
-    def __init__(self, count: int, staging_numel: int, out_numel: int, dtype, device):
-        def make(n: int) -> torch.Tensor | None:
-            return torch.empty(n, dtype=dtype, device=device) if n else None
-
-        self._shape = (staging_numel, out_numel, dtype, device)
-        self._free = [_Buffers(make(staging_numel), make(out_numel)) for _ in range(count)]
-        self.resident_bytes = sum(
-            t.numel() * t.element_size()
-            for b in self._free
-            for t in (b.staging, b.out)
-            if t is not None
-        )
+    def __init__(self, count: int, numel: int, dtype, device):
+        self._shape = (numel, dtype, device)
+        self._free = [
+            torch.empty(numel, dtype=dtype, device=device) for _ in range(count if numel else 0)
+        ]
+        self.resident_bytes = sum(b.numel() * b.element_size() for b in self._free)
         self.overflows = 0
 
-    def try_acquire(self) -> _Buffers | None:
+    def try_acquire(self) -> torch.Tensor | None:
         return self._free.pop() if self._free else None
 
-    def acquire_temporary(self) -> _Buffers:
-        staging_numel, out_numel, dtype, device = self._shape
+    def acquire_temporary(self) -> torch.Tensor:
+        numel, dtype, device = self._shape
         self.overflows += 1
-        return _Buffers(
-            torch.empty(staging_numel, dtype=dtype, device=device) if staging_numel else None,
-            torch.empty(out_numel, dtype=dtype, device=device) if out_numel else None,
-        )
+        return torch.empty(numel, dtype=dtype, device=device)
 
-    def release(self, buffers: _Buffers, temporary: bool) -> None:
+    def release(self, buffer: torch.Tensor, temporary: bool) -> None:
         if not temporary:
-            self._free.append(buffers)
+            self._free.append(buffer)
 
 
 @dataclass
 class _InFlight:
     pending: comm.Pending
-    buffers: _Buffers | None
+    buffer: torch.Tensor | None
     temporary: bool
     finish: Callable[[], None]
 
@@ -88,11 +73,10 @@ class GradReducer:
         policy: StagePolicy,
         grad_dtype: torch.dtype,
         comm_dtype: torch.dtype,
-        group,
-        ledger: comm.CommLedger,
+        communicator: comm.Communicator,
         overlap: bool,
     ):
-        self.units, self.policy, self.group, self.ledger = units, policy, group, ledger
+        self.units, self.policy, self.comm = units, policy, communicator
         self.overlap = overlap
         self.comm_dtype = comm_dtype
         device = units[0].flat.device
@@ -109,19 +93,13 @@ class GradReducer:
             ]
         self._cast = comm_dtype != grad_dtype
         need_staging = (not policy.keep_full_grads) or self._cast
-        need_out = policy.shard_world > 1
-        self.pool = BufferPool(
-            2,
-            max(u.padded_numel for u in units) if need_staging else 0,
-            max(u.shard_numel for u in units) if need_out else 0,
-            comm_dtype,
-            device,
-        )
+        staging_numel = max(u.padded_numel for u in units) if need_staging else 0
+        self.pool = BufferPool(2, staging_numel, comm_dtype, device)
         self._active = False
         self._first_micro = True
         self._ready = [0] * len(units)
         self._filled: list[list[bool]] = [[False] * len(u.slots) for u in units]
-        self._staged: dict[int, tuple[_Buffers, bool]] = {}
+        self._staged: dict[int, tuple[torch.Tensor, bool]] = {}
         self._next_launch = 0
         self._inflight: deque[_InFlight] = deque()
         self._handles = [
@@ -193,7 +171,7 @@ class GradReducer:
             self._first_micro = False
 
     # -- internals ------------------------------------------------------------------
-    def _acquire(self) -> tuple[_Buffers, bool]:
+    def _acquire(self) -> tuple[torch.Tensor, bool]:
         while True:
             buffers = self.pool.try_acquire()
             if buffers is not None:
@@ -206,8 +184,8 @@ class GradReducer:
         """Stage 2: copy one gradient into the unit's staging buffer and free it."""
         if unit.index not in self._staged:
             self._staged[unit.index] = self._acquire()
-        staging = self._staged[unit.index][0].staging
-        assert staging is not None and param.grad is not None
+        staging = self._staged[unit.index][0]
+        assert param.grad is not None
         slot = unit.slots[slot_index]
         staging[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
         self._filled[unit.index][slot_index] = True
@@ -220,66 +198,54 @@ class GradReducer:
             self._launch(self.units[self._next_launch])
             self._next_launch += 1
 
-    def _source(self, unit: FlatUnit) -> tuple[torch.Tensor, _Buffers | None, bool]:
-        """The unit-sized tensor to reduce, and the pool buffers it occupies."""
+    def _source(self, unit: FlatUnit) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The unit-sized tensor to reduce, and the pool buffer it occupies."""
         if not self.policy.keep_full_grads:
             if unit.index not in self._staged:
                 self._staged[unit.index] = self._acquire()
-            buffers, temporary = self._staged.pop(unit.index)
-            assert buffers.staging is not None
-            staging = buffers.staging[: unit.padded_numel]
+            buffer, temporary = self._staged.pop(unit.index)
+            staging = buffer[: unit.padded_numel]
             filled = self._filled[unit.index]
             for slot, done in zip(unit.slots, filled, strict=True):
                 if not done:
                     staging[slot.offset : slot.offset + slot.numel].zero_()
             staging[unit.numel :].zero_()
             self._filled[unit.index] = [False] * len(unit.slots)
-            return staging, buffers, temporary
+            return staging, buffer, temporary
         grads = self.full_grads[unit.index]
         if not self._cast:
             return grads, None, False
-        buffers, temporary = self._acquire()
-        assert buffers.staging is not None
-        staging = buffers.staging[: unit.padded_numel]
+        buffer, temporary = self._acquire()
+        staging = buffer[: unit.padded_numel]
         staging.copy_(grads)
-        return staging, buffers, temporary
+        return staging, buffer, temporary
 
     def _launch(self, unit: FlatUnit) -> None:
-        source, buffers, temporary = self._source(unit)
+        source, buffer, temporary = self._source(unit)
         if self.policy.shard_world == 1:
-            pending = comm.all_reduce(source, self.ledger, "grads", self.group)
-            grads = self.full_grads[unit.index]
-
-            def finish() -> None:
-                if source is not grads:
-                    grads.copy_(source)
+            pending = self.comm.all_reduce(source, "grads")
+            reduced, target = source, self.full_grads[unit.index]
         else:
-            if buffers is None:
-                buffers, temporary = self._acquire()
-            assert buffers.out is not None
-            out = buffers.out[: unit.shard_numel]
-            pending = comm.reduce_scatter(out, source, self.ledger, "grads", self.group)
-            finish = self._finish_shard(unit, out)
-        self._inflight.append(_InFlight(pending, buffers, temporary, finish))
-
-    def _finish_shard(self, unit: FlatUnit, out: torch.Tensor) -> Callable[[], None]:
-        if self.policy.keep_full_grads:
-            target = unit.shard_of(self.full_grads[unit.index])
-        else:
-            target = self.shard_grads[unit.index]
+            # In place: the sum lands in this rank's chunk of the source.
+            pending = self.comm.reduce_scatter(source, "grads")
+            reduced = self.comm.chunk(source)
+            if self.policy.keep_full_grads:
+                target = unit.shard_of(self.full_grads[unit.index])
+            else:
+                target = self.shard_grads[unit.index]
         accumulate = not self.policy.keep_full_grads and not self._first_micro
 
         def finish() -> None:
             if accumulate:
-                target.add_(out)
-            else:
-                target.copy_(out)
+                target.add_(reduced)
+            elif reduced.data_ptr() != target.data_ptr():
+                target.copy_(reduced)
 
-        return finish
+        self._inflight.append(_InFlight(pending, buffer, temporary, finish))
 
     def _complete_oldest(self) -> None:
         item = self._inflight.popleft()
         item.pending.wait()
         item.finish()
-        if item.buffers is not None:
-            self.pool.release(item.buffers, item.temporary)
+        if item.buffer is not None:
+            self.pool.release(item.buffer, item.temporary)

@@ -29,6 +29,15 @@ def free_port() -> int:
 def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env) -> None:
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # What torchrun would set, for libraries that read it.
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(

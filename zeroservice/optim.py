@@ -35,6 +35,24 @@ class StepResult:
     """True when the step was skipped because a gradient overflowed."""
 
 
+def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Switch a fresh Adam/AdamW to torch's fused kernel, if the caller left the choice open.
+
+    Flat shards make the fused kernel pay off: a handful of large tensors, each
+    updated in one pass over memory.
+    """
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+        return optimizer
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
+        return optimizer
+    if any(g.get("differentiable") or g.get("capturable") for g in groups):
+        return optimizer
+    for group in [*groups, optimizer.defaults]:
+        group["fused"] = True
+    return optimizer
+
+
 class ShardedOptimizer:
     """Runs the user's optimizer on this rank's shards. See [Note: shard step]."""
 
@@ -44,11 +62,11 @@ class ShardedOptimizer:
         policy: StagePolicy,
         mixed_precision: bool,
         factory: OptimizerFactory,
-        group,
-        ledger: comm.CommLedger,
+        communicator: comm.Communicator,
         dp_world: int,
+        fuse: bool = True,
     ):
-        self.units, self.policy, self.group, self.ledger = units, policy, group, ledger
+        self.units, self.policy, self.comm = units, policy, communicator
         self.mixed = mixed_precision
         self.dp_world = dp_world
         self.masters = [nn.Parameter(self._initial_master(u)) for u in units]
@@ -64,6 +82,8 @@ class ShardedOptimizer:
                 "optimizer: the factory must build the optimizer over exactly the parameters "
                 "it is given (the engine's fp32 shards), not the model's own parameters"
             )
+        if fuse:
+            self.optimizer = fused_variant(self.optimizer)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
 
     def _param_slice(self, unit: FlatUnit) -> torch.Tensor:
@@ -88,7 +108,7 @@ class ShardedOptimizer:
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if self.policy.shard_world > 1:
-            comm.all_reduce(sq, self.ledger, "norm", self.group).wait()
+            self.comm.all_reduce(sq, "norm").wait()
         return math.sqrt(sq.item()) / (self.dp_world * loss_scale)
 
     def step(self, grads: list[torch.Tensor], loss_scale: float, max_norm: float) -> StepResult:
@@ -115,5 +135,5 @@ class ShardedOptimizer:
             if self.mixed:
                 piece.copy_(master.detach())
             if self.policy.gathers_params:
-                pending.append(comm.all_gather(unit.flat, piece, self.ledger, "params", self.group))
+                pending.append(self.comm.all_gather(unit.flat, "params"))
         return pending

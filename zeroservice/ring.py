@@ -1,0 +1,92 @@
+"""Reduce-scatter and all-gather as rings of point-to-point transfers.
+
+[Note: rings on gloo]
+gloo's reduce_scatter and all_gather are slow next to its all_reduce: measured on
+a 2-core machine, world 2, 8M fp32 elements: all_reduce 27 ms, reduce_scatter 56 ms,
+all_gather 49 ms, while a ring of isend/irecv moves the same data in 16 ms
+(reduce-scatter) and 11 ms (all-gather). So on gloo the engine runs these two ops as
+rings on one background thread: N - 1 steps, each sending one 1/N chunk to the next
+rank and receiving one from the previous. The thread runs jobs in submission order,
+which is the same on every rank, so transfers always match.
+
+Both rings work in place on a buffer viewed as N equal chunks. Reduce-scatter
+accumulates into the buffer and leaves the full sum in chunk ``rank`` (the other
+chunks hold partial sums afterwards). All-gather expects chunk ``rank`` filled and
+receives the others into their places.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+
+class RingComm:
+    """Ring collectives over one process group, run in order on a background thread."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+        def global_rank(i: int) -> int:
+            return i if group is None else dist.get_global_rank(group, i)
+
+        self.next = global_rank((self.rank + 1) % self.world)
+        self.prev = global_rank((self.rank - 1) % self.world)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroservice-ring")
+        self._scratch: torch.Tensor | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        s = self._scratch
+        return 0 if s is None else s.numel() * s.element_size()
+
+    def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the receive buffer up front (its size is the largest chunk)."""
+        s = self._scratch
+        if s is None or s.numel() < numel or s.dtype != dtype or s.device != device:
+            self._scratch = torch.empty(numel, dtype=dtype, device=device)
+
+    def reduce_scatter(self, buffer: torch.Tensor) -> Future[float]:
+        """Sum ``buffer`` across ranks into its chunk ``rank``; returns seconds taken."""
+        return self._pool.submit(self._reduce_scatter, buffer)
+
+    def all_gather(self, buffer: torch.Tensor) -> Future[float]:
+        """Fill every chunk of ``buffer`` from the rank that owns it; returns seconds."""
+        return self._pool.submit(self._all_gather, buffer)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        reqs = [
+            dist.isend(send, self.next, group=self.group),
+            dist.irecv(recv, self.prev, group=self.group),
+        ]
+        for req in reqs:
+            if req is not None:
+                req.wait()
+
+    def _reduce_scatter(self, buffer: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        n, r = self.world, self.rank
+        chunks = buffer.view(n, -1)
+        self.reserve(chunks.shape[1], buffer.dtype, buffer.device)
+        assert self._scratch is not None
+        recv = self._scratch[: chunks.shape[1]]
+        for s in range(n - 1):
+            self._exchange(chunks[(r - s - 1) % n], recv)
+            chunks[(r - s - 2) % n].add_(recv)
+        return time.perf_counter() - t0
+
+    def _all_gather(self, buffer: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        n, r = self.world, self.rank
+        chunks = buffer.view(n, -1)
+        for s in range(n - 1):
+            self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
+        return time.perf_counter() - t0
