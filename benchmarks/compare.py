@@ -143,9 +143,9 @@ def _paired(names: list[str], args) -> list[dict]:
 
 def _print_paired(paired: list[dict]) -> None:
     print("\npaired step-time ratio, ours / peer, same ranks stepped in rotation")
-    print(
-        f"  {'pair':<22}{'steps':>6}{'median':>8}{'q1-q3':>15}{'ours s':>8}{'peer s':>8}{'|dloss|':>10}"
-    )
+    cols = [("pair", -22), ("steps", 6), ("median", 8), ("q1-q3", 15), ("ours s", 8)]
+    cols += [("peer s", 8), ("|dloss|", 10)]
+    print("  " + "".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in cols))
     for p in paired:
         print(
             f"  {p['ours'] + ' / ' + p['peer']:<22}{p['steps']:>6}{p['ratio_median']:>8.3f}"
