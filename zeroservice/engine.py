@@ -221,6 +221,11 @@ class Engine:
         """The full model state (parameters are whole on every rank at stages 0-2)."""
         return self.module.state_dict()
 
+    def close(self) -> None:
+        """Remove the backward hooks and stop the ring thread; the module stays usable."""
+        self.reducer.remove_hooks()
+        self.comm.close()
+
     def _sync_initial_state(self) -> None:
         """Start every rank from rank 0's weights and buffers, as DDP does."""
         if self.dp_world == 1:

@@ -40,6 +40,7 @@ class Spec:
     batch: int = 2
     overlap: bool = True
     collectives: str = "auto"
+    reduce_dtype: str = "param"
     fuse: bool = True
 
 
@@ -102,6 +103,7 @@ def engine_for(spec: Spec):
         lr_schedule=ScheduleConfig(**spec.schedule),
         overlap_comm=spec.overlap,
         collectives=spec.collectives,
+        reduce_dtype=spec.reduce_dtype,
         fuse_optimizer=spec.fuse,
     )
     return zeroservice.initialize(_model(spec), config, optimizer=_adamw(spec))

@@ -18,8 +18,12 @@ BF16_LOSS_RTOL = 2e-3
 BF16_WEIGHT_ATOL = 0.05
 
 
+BF16_CASES = [(s, "param") for s in (0, 1, 2)] + [(s, "fp32") for s in (1, 2)]
+
+
 def _bf16_and_fp16():
-    return parity([Spec(stage=s, precision="bf16") for s in (0, 1, 2)]), fp16_overflow()
+    specs = [Spec(stage=s, precision="bf16", reduce_dtype=r) for s, r in BF16_CASES]
+    return dict(zip(BF16_CASES, parity(specs), strict=True)), fp16_overflow()
 
 
 @functools.cache
@@ -27,9 +31,9 @@ def _results():
     return run_local(_bf16_and_fp16, 2)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_bf16_tracks_ddp_autocast(stage):
-    r = _results()[0][0][stage]
+@pytest.mark.parametrize("stage,reduce_dtype", BF16_CASES)
+def test_bf16_tracks_ddp_autocast(stage, reduce_dtype):
+    r = _results()[0][0][(stage, reduce_dtype)]
     torch.testing.assert_close(
         torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=BF16_LOSS_RTOL, atol=0
     )
