@@ -4,8 +4,9 @@ Each collective launches asynchronously and returns a :class:`Pending` handle;
 waiting on the handle closes its ledger entry. The ledger
 keeps, per (op, tag), the calls, payload bytes (nccl-tests' "size": the full
 tensor of an all-reduce, the full input of a reduce-scatter, the full output of an
-all-gather), seconds (the op's own run time for rings; launch to completion for native ops, which
-may include time overlapped with compute), and the paper's volume (an
+all-gather), seconds (the op's own run time for rings; for native ops, from launch, or from the
+previous native op's completion if later, to completion, so it may include time
+overlapped with compute but never counts an interval twice), and the paper's volume (an
 all-reduce moves 2x its payload per rank, a reduce-scatter or all-gather 1x).
 
 [Note: bus bandwidth]
@@ -81,6 +82,8 @@ class CommLedger:
     """Per-rank record of every collective the engine issued."""
 
     entries: dict[tuple[str, str], CollectiveStats] = field(default_factory=dict)
+    native_busy_until: float = 0.0
+    """When the last native op was seen to finish (see ``Pending.wait``)."""
 
     def record(
         self, op: str, tag: str, tensor: torch.Tensor, world: int, secs: float, impl: str
@@ -118,9 +121,16 @@ class Pending:
     def wait(self) -> None:
         if self._done:
             return
-        measured = self._wait()
+        measured = self._wait()  # a ring job returns its seconds; a native Work returns True
         self._done = True
-        secs = measured if measured is not None else time.perf_counter() - self._t0
+        now = time.perf_counter()
+        if isinstance(measured, float):
+            secs = measured
+        else:
+            # A backend runs its ops in order: this one started no earlier than the
+            # previous one finished, so overlapping waits are not counted twice.
+            secs = now - max(self._t0, self._ledger.native_busy_until)
+            self._ledger.native_busy_until = now
         op, tag = self._key
         self._ledger.record(op, tag, self._payload, self._world, secs, self._impl)
 

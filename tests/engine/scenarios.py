@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -147,6 +148,7 @@ def ledgers(specs: list[Spec]) -> list[dict]:
         for step in range(2):
             if step == 1:
                 engine.comm_ledger().reset()
+                t0 = time.perf_counter()
             for x, y in _batches(spec, step):
                 engine.backward(engine(x, y))
                 engine.step()
@@ -157,6 +159,7 @@ def ledgers(specs: list[Spec]) -> list[dict]:
                 "volume": comm.volume_elements(),
                 "entries": comm.as_list(),
                 "units": [(u.numel, u.padded_numel) for u in engine.units],
+                "wall_seconds": time.perf_counter() - t0,
             }
         )
     return out

@@ -63,5 +63,6 @@ def test_communication_is_two_psi_per_step(world, stage, precision):
         assert ops[("reduce_scatter", "grads")]["calls"] == units
         # One scalar all-reduce carries the global norm (and any overflow).
         assert ops[("all_reduce", "norm")]["payload_elements"] == 1
-    assert all(e["seconds"] > 0 for e in r["entries"])
+    # Seconds are measured per op: positive, and within the step that issued them.
+    assert all(0 < e["seconds"] <= r["wall_seconds"] for e in r["entries"])
     assert all(e["busbw_bytes_per_second"] > 0 for e in r["entries"])
