@@ -78,7 +78,6 @@ class GradReducer:
     ):
         self.units, self.policy, self.comm = units, policy, communicator
         self.overlap = overlap
-        self.comm_dtype = comm_dtype
         device = units[0].flat.device
         self.full_grads: list[torch.Tensor] = []
         self.shard_grads: list[torch.Tensor] = []
