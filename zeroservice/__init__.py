@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from .config import ConfigError, LossScaleConfig, ScheduleConfig, ZeroConfig
+from .construct import InitSource, deferred_init
 from .deepspeed_config import from_deepspeed
 from .engine import Engine, Phase, StepReport
 from .memory import MemoryLedger, expected_model_state_bytes
@@ -26,6 +27,7 @@ __all__ = [
     "ScheduleConfig",
     "StepReport",
     "ZeroConfig",
+    "deferred_init",
     "expected_model_state_bytes",
     "from_deepspeed",
     "initialize",
@@ -37,12 +39,18 @@ def initialize(
     config: ZeroConfig | dict[str, Any] | None = None,
     optimizer: OptimizerFactory | None = None,
     group=None,
+    init: InitSource = None,
 ) -> Engine:
     """Wrap ``model`` in an engine over ``group`` (default: the whole world).
 
     ``config`` may be a ZeroConfig or a dict of its fields. ``optimizer`` is a factory
     called with the engine's fp32 shard tensors. torch.distributed must already be
     initialised (torchrun, or ``init_process_group``).
+
+    ``init`` sets the initial weights: a path to a full state-dict file (read slice by
+    slice), or, for a model built under ``deferred_init()``, a function
+    ``init(qualified_name, module)`` run after each module's ``reset_parameters``.
+    By default the model's own weights (rank 0's) are used.
     """
     if config is None:
         config = ZeroConfig()
@@ -54,4 +62,4 @@ def initialize(
         raise ConfigError(
             "optimizer: pass a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4)"
         )
-    return Engine(model, config, optimizer, group)
+    return Engine(model, config, optimizer, group, init)

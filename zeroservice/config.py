@@ -16,6 +16,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["param", "fp32"]
 ScheduleKind = Literal["constant", "cosine", "linear"]
 Collectives = Literal["auto", "native", "ring"]
+Grouping = Literal["blocks", "size"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -110,7 +111,7 @@ class ZeroConfig:
 
     stage: int = 2
     """0: plain data parallel; 1: optimizer states partitioned (P_os);
-    2: gradients too (P_os+g)."""
+    2: gradients too (P_os+g); 3: parameters too (P_os+g+p)."""
     precision: Precision = "fp32"
     """fp32; bf16 (bf16 params/grads, fp32 master and optimizer states); fp16 (the same
     with dynamic loss scaling)."""
@@ -135,6 +136,22 @@ class ZeroConfig:
     """When the factory returns torch's Adam or AdamW with neither ``foreach`` nor
     ``fused`` chosen, rebuild it with ``fused=True``: one pass over each flat shard
     instead of seven (the same update, to float rounding). An explicit choice is kept."""
+    stage3_grouping: Grouping = "blocks"
+    """Stage 3: which modules gather their parameters as one group. "blocks": every
+    item of an nn.ModuleList (the transformer blocks), the rest with the root module;
+    "size": the largest modules of at most ``bucket_elements`` parameters, so that
+    gather buffers stay constant as the model grows. Models without a ModuleList fall
+    back to "size"."""
+    stage3_prefetch_elements: int = 2**26
+    """Stage 3: budget of gathered (live) parameter elements, counting in-flight
+    gathers; the next groups, in the recorded order, are gathered ahead of use only
+    while they fit. The group in use is always gathered, so the peak is at most this
+    budget plus one group."""
+    stage3_persistence_elements: int = 2**16
+    """Stage 3: a unit of at most this many elements stays gathered between steps (one
+    all-gather per step instead of two). At the default (64 Ki elements, 128 KiB in
+    bf16) a unit's gather is latency-bound, so keeping it costs little memory and
+    saves two collective launches per step."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train_micro_batch_size: int | None = None
@@ -146,10 +163,20 @@ class ZeroConfig:
         if isinstance(self.lr_schedule, dict):
             self.lr_schedule = ScheduleConfig(**self.lr_schedule)
         _require(
-            isinstance(self.stage, int) and self.stage in (0, 1, 2),
+            isinstance(self.stage, int) and self.stage in (0, 1, 2, 3),
             "stage",
-            f"{self.stage!r} is not a supported ZeRO stage (0, 1 or 2)",
+            f"{self.stage!r} is not a supported ZeRO stage (0, 1, 2 or 3)",
         )
+        _require(
+            self.stage3_grouping in ("blocks", "size"),
+            "stage3_grouping",
+            f"{self.stage3_grouping!r} is not 'blocks' or 'size'",
+        )
+        for name in ("stage3_prefetch_elements", "stage3_persistence_elements"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and value >= 0, name, f"{value!r} must be an integer >= 0"
+            )
         _require(
             self.precision in PRECISIONS,
             "precision",

@@ -34,6 +34,8 @@ _ZERO = {
     "contiguous_gradients",
     "reduce_scatter",
     "allgather_partitions",
+    "stage3_max_live_parameters",
+    "stage3_param_persistence_threshold",
 }
 _FP16 = {
     "enabled",
@@ -84,6 +86,11 @@ def _zero(zero: dict[str, Any], out: dict[str, Any]) -> None:
         out["bucket_elements"] = int(size)
     if "overlap_comm" in zero:
         out["overlap_comm"] = bool(zero["overlap_comm"])
+    # Both are per parameter in DeepSpeed and per unit here: the same budget, coarser grain.
+    if "stage3_max_live_parameters" in zero:
+        out["stage3_prefetch_elements"] = int(zero["stage3_max_live_parameters"])
+    if "stage3_param_persistence_threshold" in zero:
+        out["stage3_persistence_elements"] = int(zero["stage3_param_persistence_threshold"])
 
 
 def _precision(ds: dict[str, Any], out: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""The engine: wraps any nn.Module and trains it with ZeRO-DP stages 0, 1 and 2.
+"""The engine: wraps any nn.Module and trains it with ZeRO-DP stages 0 to 3.
 
 Life of a step (``gradient_accumulation_steps`` = A):
 
@@ -12,15 +12,17 @@ Life of a step (``gradient_accumulation_steps`` = A):
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from . import comm, construct
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units
+from .gather import ParamGatherer
 from .hooks import GradReducer
 from .memory import (
     MemoryLedger,
@@ -30,6 +32,7 @@ from .memory import (
     tensor_bytes,
 )
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult
+from .partition import build_groups
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
 from .schedule import lr_factor
 from .stages import policy_for
@@ -65,6 +68,7 @@ class Engine:
         config: ZeroConfig,
         optimizer: OptimizerFactory,
         group: dist.ProcessGroup | None = None,
+        init: construct.InitSource = None,
     ):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -81,14 +85,45 @@ class Engine:
         self.policy = policy_for(config.stage, self.dp_world)
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
-        if dtype != torch.float32:
-            module.to(dtype)
-        shard_rank = self.dp_rank if self.policy.shard_world > 1 else 0
-        self.units: list[FlatUnit] = build_units(
-            module, config.bucket_elements, dtype, self.policy.shard_world, shard_rank
-        )
         self.comm = comm.Communicator(group, self.ledger, config.collectives)
-        self._sync_initial_state()
+        deferred = construct.is_deferred(module)
+        if callable(init) and not deferred:
+            raise ConfigError(
+                "init: an initialiser function applies only to a model built under "
+                "zeroservice.deferred_init(); this model already has its weights"
+            )
+        shard_rank = self.dp_rank if self.policy.shard_world > 1 else 0
+        self.gatherer: ParamGatherer | None = None
+        self.units: list[FlatUnit]
+        if self.policy.partitions_params:
+            groups = build_groups(module, config.stage3_grouping, config.bucket_elements)
+            device = construct.engine_device(module, group)
+            self.units, unit_groups = construct.partitioned_units(
+                [g.params for g in groups],
+                config.bucket_elements,
+                dtype,
+                self.dp_world,
+                shard_rank,
+                device,
+            )
+            if isinstance(init, str | os.PathLike):
+                construct.fill_from_file(module, self.units, construct.StateDictFile(init))
+            elif deferred:
+                construct.fill_from_init(module, self.units, self.comm, init)
+            else:
+                construct.fill_from_module(self.units, self.comm)
+            construct.release_parameters(self.units)
+            module.to(dtype)  # buffers; parameters are empty placeholders by now
+            self._sync_initial_state(params=False)
+        else:
+            if deferred or init is not None:
+                construct.materialize(module, init, construct.engine_device(module, group))
+            if dtype != torch.float32:
+                module.to(dtype)
+            self.units = build_units(
+                module, config.bucket_elements, dtype, self.policy.shard_world, shard_rank
+            )
+            self._sync_initial_state(params=not isinstance(init, str | os.PathLike))
         grad_comm_dtype = reduce_dtype(config.precision, config.reduce_dtype)
         if self.comm.ring is not None:
             largest_shard = max(u.shard_numel for u in self.units)
@@ -100,7 +135,18 @@ class Engine:
             comm_dtype=grad_comm_dtype,
             communicator=self.comm,
             overlap=config.overlap_comm,
+            param_hooks=not self.policy.partitions_params,
         )
+        if self.policy.partitions_params:
+            self.gatherer = ParamGatherer(
+                module,
+                [(g.module, idx) for g, idx in zip(groups, unit_groups, strict=True)],
+                self.units,
+                self.comm,
+                self.reducer,
+                prefetch_elements=config.stage3_prefetch_elements,
+                persistence_elements=config.stage3_persistence_elements,
+            )
         self.optimizer = ShardedOptimizer(
             self.units,
             self.policy,
@@ -122,6 +168,10 @@ class Engine:
 
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.gatherer is not None and torch.is_grad_enabled():
+            g = self.gatherer
+            with torch.autograd.graph.saved_tensors_hooks(g.pack, g.unpack):
+                return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     @property
@@ -140,9 +190,13 @@ class Engine:
                 "call engine.step() after every backward"
             )
         self.reducer.pre_backward(self.is_gradient_accumulation_boundary())
+        if self.gatherer is not None:
+            self.gatherer.begin_backward()
         scale = self.loss_scale / self.config.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward()
         self.reducer.finalize_backward()
+        if self.gatherer is not None:
+            self.gatherer.end_backward()
         self.micro_steps += 1
         self.phase = Phase.ACCUMULATING
 
@@ -162,7 +216,10 @@ class Engine:
             self.scaler.update(result.skipped)
         if not result.skipped:
             self.applied_steps += 1
-            comm.wait_all(self.optimizer.publish_params())
+            pending = self.optimizer.publish_params()
+            if self.gatherer is not None:
+                pending += self.gatherer.refresh_persistent()
+            comm.wait_all(pending)
         self.reducer.zero_grads()
         self.global_steps += 1
         self.micro_steps = 0
@@ -203,6 +260,8 @@ class Engine:
             comm_buffers=self.reducer.pool.resident_bytes + self.comm.buffer_bytes(),
             expected=expected(self.psi),
             expected_padded=expected(psi_padded),
+            gathered_params=self.gatherer.live_bytes if self.gatherer else 0,
+            gathered_peak=self.gatherer.peak_live_bytes if self.gatherer else 0,
         )
 
     def comm_ledger(self) -> comm.CommLedger:
@@ -218,18 +277,34 @@ class Engine:
         return self.train(False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state (parameters are whole on every rank at stages 0-2)."""
-        return self.module.state_dict()
+        """The full model state, as ``module.state_dict()`` would give it unpartitioned.
+
+        At stage 3 every rank must call it: units are gathered one at a time.
+        """
+        state = self.module.state_dict()
+        if self.gatherer is None:
+            return state
+        for unit in self.units:
+            full = self.gatherer.gather_copy(unit.index)
+            for slot, view in zip(unit.slots, unit.views_of(full), strict=True):
+                for name in slot.names:
+                    state[name] = view.clone()
+        return state
 
     def close(self) -> None:
-        """Remove the backward hooks and stop the ring thread; the module stays usable."""
+        """Remove the hooks and stop the ring thread.
+
+        At stages 0-2 the module stays usable with the trained weights; at stage 3 its
+        parameters are empty placeholders (take ``state_dict()`` first)."""
         self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.close()
         self.comm.close()
 
-    def _sync_initial_state(self) -> None:
+    def _sync_initial_state(self, params: bool) -> None:
         """Start every rank from rank 0's weights and buffers, as DDP does."""
         if self.dp_world == 1:
             return
-        pending = [self.comm.broadcast(u.flat, "init") for u in self.units]
+        pending = [self.comm.broadcast(u.flat, "init") for u in self.units] if params else []
         pending += [self.comm.broadcast(b, "init") for b in self.module.buffers()]
         comm.wait_all(pending)

@@ -11,6 +11,9 @@ N elements per unit.
 Units are formed in reverse registration order (the order backward produces
 gradients) and hold at most ``bucket_elements`` elements, except a single parameter
 larger than that, which forms a unit of its own.
+
+At stage 3 a unit is *partitioned*: ``flat`` holds only this rank's shard, and the
+whole buffer exists only while the unit is gathered (gather.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class FlatUnit:
     shard_world: int
     shard_rank: int
     flat: torch.Tensor = field(repr=False)
+    """The resident parameters: the whole unit, or only this rank's shard if partitioned."""
+    partitioned: bool = False
 
     @property
     def numel(self) -> int:
@@ -48,7 +53,16 @@ class FlatUnit:
 
     @property
     def padded_numel(self) -> int:
-        return self.flat.numel()
+        return self.flat.numel() * (self.shard_world if self.partitioned else 1)
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """This rank's slice of the parameters (what its optimizer updates)."""
+        return self.flat if self.partitioned else self.shard_of(self.flat)
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.shard_start, self.shard_start + self.shard_numel
 
     @property
     def shard_numel(self) -> int:

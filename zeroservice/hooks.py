@@ -10,9 +10,17 @@ zeros for parameters that got no gradient.
 [Note: gradient storage]
 Stages 0 and 1 keep a full gradient buffer per unit and make each ``param.grad`` a
 view of it, so autograd accumulates micro-batches in place and nothing is copied
-before the reduction. Stage 2 keeps only the shard: each parameter's gradient is
-copied into a constant-size staging buffer as it arrives and released at once; the
-reduce-scatter output is added to the resident shard.
+before the reduction. Stages 2 and 3 keep only the shard: each parameter's gradient
+is copied into a constant-size staging buffer as it arrives and released at once;
+the reduce-scatter output is added to the resident shard.
+
+[Note: stage 3 reduction]
+At stage 3 the parameters are not leaves of the graph, so no hook fires per
+parameter: the gather node of a unit (gather.py) hands over all of the unit's
+gradients at once, when autograd is done with the unit, and the unit is launched
+at once (``launch_now``). Autograd visits nodes in the same order on every rank (the
+graphs are the same, since every rank gathered the same units in the same order),
+so the collectives still match.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ class GradReducer:
         comm_dtype: torch.dtype,
         communicator: comm.Communicator,
         overlap: bool,
+        param_hooks: bool = True,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
         self.overlap = overlap
@@ -99,13 +108,23 @@ class GradReducer:
         self._ready = [0] * len(units)
         self._filled: list[list[bool]] = [[False] * len(u.slots) for u in units]
         self._staged: dict[int, tuple[torch.Tensor, bool]] = {}
+        self._launched = [False] * len(units)
         self._next_launch = 0
         self._inflight: deque[_InFlight] = deque()
-        self._handles = [
-            slot.param.register_post_accumulate_grad_hook(self._hook(u, i))
-            for u in units
-            for i, slot in enumerate(u.slots)
-        ]
+        self._handles = (
+            [
+                slot.param.register_post_accumulate_grad_hook(self._hook(u, i))
+                for u in units
+                for i, slot in enumerate(u.slots)
+            ]
+            if param_hooks
+            else []
+        )
+
+    @property
+    def active(self) -> bool:
+        """Inside engine.backward, and this backward reduces (see ``pre_backward``)."""
+        return self._active
 
     # -- what the optimizer reads -------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -134,6 +153,7 @@ class GradReducer:
         """Arm the hooks for one backward; ``boundary``: the step's last micro-batch."""
         self._active = self.policy.reduce_every_micro_batch or boundary
         self._ready = [0] * len(self.units)
+        self._launched = [False] * len(self.units)
         self._next_launch = 0
         if self.policy.keep_full_grads:
             for unit, views in zip(self.units, self._grad_views, strict=True):
@@ -151,18 +171,41 @@ class GradReducer:
         if not self._active:
             return
         if not self.policy.keep_full_grads:
-            self._stage(unit, slot_index, param)
+            assert param.grad is not None
+            self.stage_grad(unit, slot_index, param.grad)
+            param.grad = None
         self._ready[unit.index] += 1
         if self.overlap:
             self._launch_ready()
+
+    def stage_grad(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
+        """Copy one gradient into the unit's staging buffer (added if already staged)."""
+        if unit.index not in self._staged:
+            self._staged[unit.index] = self._acquire()
+        staging = self._staged[unit.index][0]
+        slot = unit.slots[slot_index]
+        target = staging[slot.offset : slot.offset + slot.numel]
+        if self._filled[unit.index][slot_index]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+            self._filled[unit.index][slot_index] = True
+
+    def launch_now(self, unit: FlatUnit) -> None:
+        """Stage 3: reduce a unit as soon as autograd is done with it.
+
+        See [Note: stage 3 reduction]."""
+        if self._active and not self._launched[unit.index]:
+            self._launch(unit)
 
     def finalize_backward(self) -> None:
         """Launch what is left, in order (see [Note: reduction order]), and wait for all."""
         if not self._active:
             return
-        while self._next_launch < len(self.units):
-            self._launch(self.units[self._next_launch])
-            self._next_launch += 1
+        for unit in self.units:
+            if not self._launched[unit.index]:
+                self._launch(unit)
+        self._next_launch = len(self.units)
         while self._inflight:
             self._complete_oldest()
         self._active = False
@@ -178,17 +221,6 @@ class GradReducer:
             if not self._inflight:
                 return self.pool.acquire_temporary(), True
             self._complete_oldest()
-
-    def _stage(self, unit: FlatUnit, slot_index: int, param: torch.Tensor) -> None:
-        """Stage 2: copy one gradient into the unit's staging buffer and free it."""
-        if unit.index not in self._staged:
-            self._staged[unit.index] = self._acquire()
-        staging = self._staged[unit.index][0]
-        assert param.grad is not None
-        slot = unit.slots[slot_index]
-        staging[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
-        self._filled[unit.index][slot_index] = True
-        param.grad = None
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.units) and self._ready[self._next_launch] == len(
@@ -220,6 +252,7 @@ class GradReducer:
         return staging, buffer, temporary
 
     def _launch(self, unit: FlatUnit) -> None:
+        self._launched[unit.index] = True
         source, buffer, temporary = self._source(unit)
         if self.policy.shard_world == 1:
             pending = self.comm.all_reduce(source, "grads")

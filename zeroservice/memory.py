@@ -10,8 +10,12 @@ With Ψ parameters and N_d data-parallel ranks:
     stage 0:  (p + g + m + k) Ψ
     stage 1:  (p + g) Ψ + (m + k) Ψ / N_d
     stage 2:   p Ψ + (g + m + k) Ψ / N_d
+    stage 3:  (p + g + m + k) Ψ / N_d
 
-(mixed precision with Adam: 16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d.) The engine pads each
+(mixed precision with Adam: 16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d, 16Ψ/N_d; fp32 with
+Adam: 16Ψ, 8Ψ + 8Ψ/N_d, 4Ψ + 12Ψ/N_d, 16Ψ/N_d.) At stage 3 the gathered (live)
+parameters are transient and reported apart: ``gathered_params`` now and
+``gathered_peak`` since the last reset. The engine pads each
 unit to a multiple of N_d; with Ψ counted after padding the ledger equals the formula
 to the byte.
 """
@@ -48,6 +52,8 @@ def expected_model_state_bytes(
         return (p + g) * psi + k * psi // n_d
     if stage == 2:
         return p * psi + (g + k) * psi // n_d
+    if stage == 3:
+        return (p + g + k) * psi // n_d
     raise ValueError(f"stage: no model-state formula for stage {stage}")
 
 
@@ -74,6 +80,10 @@ class MemoryLedger:
     """The formula with Ψ = psi (None if the optimizer's state size is unknown)."""
     expected_padded: int | None
     """The formula with Ψ = psi_padded: equal to ``model_states`` to the byte."""
+    gathered_params: int = 0
+    """Stage 3: bytes of whole (gathered or in-flight) units held right now."""
+    gathered_peak: int = 0
+    """Stage 3: the most such bytes held at once since the last reset."""
 
     @property
     def model_states(self) -> int:
@@ -81,7 +91,7 @@ class MemoryLedger:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.optimizer_other + self.comm_buffers
+        return self.model_states + self.optimizer_other + self.comm_buffers + self.gathered_params
 
     def as_dict(self) -> dict[str, int | str | None]:
         out = asdict(self)

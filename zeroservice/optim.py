@@ -86,11 +86,8 @@ class ShardedOptimizer:
             self.optimizer = fused_variant(self.optimizer)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
 
-    def _param_slice(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.flat if self.policy.shard_world == 1 else unit.shard_of(unit.flat)
-
     def _initial_master(self, unit: FlatUnit) -> torch.Tensor:
-        piece = self._param_slice(unit)
+        piece = unit.param_shard
         return piece.detach().float().clone() if self.mixed else piece.detach()
 
     def master_bytes(self) -> int:
@@ -131,9 +128,9 @@ class ShardedOptimizer:
         """Write the updated masters into the parameter buffers and start the all-gathers."""
         pending = []
         for unit, master in zip(self.units, self.masters, strict=True):
-            piece = self._param_slice(unit)
+            piece = unit.param_shard
             if self.mixed:
                 piece.copy_(master.detach())
-            if self.policy.gathers_params:
+            if self.policy.gathers_params and not unit.partitioned:
                 pending.append(self.comm.all_gather(unit.flat, "params"))
         return pending

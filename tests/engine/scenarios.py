@@ -43,6 +43,9 @@ class Spec:
     collectives: str = "auto"
     reduce_dtype: str = "param"
     fuse: bool = True
+    prefetch: int = 2**26
+    persistence: int = 0
+    grouping: str = "blocks"
 
 
 def _model(spec: Spec) -> GPT:
@@ -106,6 +109,9 @@ def engine_for(spec: Spec):
         collectives=spec.collectives,
         reduce_dtype=spec.reduce_dtype,
         fuse_optimizer=spec.fuse,
+        stage3_prefetch_elements=spec.prefetch,
+        stage3_persistence_elements=spec.persistence,
+        stage3_grouping=spec.grouping,
     )
     return zeroservice.initialize(_model(spec), config, optimizer=_adamw(spec))
 

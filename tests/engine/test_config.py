@@ -105,7 +105,8 @@ def test_deepspeed_fp16_section():
         ({"optimizer": {"type": "AdamW", "params": {"lr": 1, "foo": 2}}}, "optimizer.params.foo"),
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled"),
-        ({"zero_optimization": {"stage": 3}}, "stage"),
+        ({"zero_optimization": {"stage": 4}}, "stage"),
+        ({"zero_optimization": {"stage3_prefetch_bucket_size": 5}}, "stage3_prefetch_bucket_size"),
         ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size"),
     ],
 )

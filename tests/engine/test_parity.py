@@ -1,4 +1,4 @@
-"""Stages 0-2 train to the same losses and weights as DDP + AdamW on the same seed."""
+"""Every stage trains to the same losses and weights as DDP + AdamW on the same seed."""
 
 from __future__ import annotations
 
@@ -20,11 +20,24 @@ CASES = {
     "native-collectives": {"collectives": "native"},
     "unfused-adamw": {"fuse": False},
 }
-WORLD_CASES = {2: list(CASES), 4: ["plain", "accum4", "clip"]}
+# Stage 3 only: prefetch squeezed below one block, small units kept gathered, groups
+# formed by size (the tied embedding is then read outside its own group).
+STAGE3_CASES = {
+    "tight-prefetch": {"prefetch": 20_000, "accum": 2},
+    "persistent-units": {"persistence": 2**16},
+    "size-groups": {"grouping": "size", "clip": 0.05},
+}
+CASES |= STAGE3_CASES
+STAGES = (0, 1, 2, 3)
+WORLD_CASES = {2: list(CASES), 4: ["plain", "accum4", "clip", "tight-prefetch"]}
+
+
+def _stages(case: str) -> tuple[int, ...]:
+    return (3,) if case in STAGE3_CASES else STAGES
 
 
 def _specs(world: int) -> list[tuple[int, str, Spec]]:
-    return [(s, c, Spec(stage=s, **CASES[c])) for c in WORLD_CASES[world] for s in (0, 1, 2)]
+    return [(s, c, Spec(stage=s, **CASES[c])) for c in WORLD_CASES[world] for s in _stages(c)]
 
 
 @functools.cache
@@ -49,7 +62,7 @@ def _key_bias(name: str) -> slice | None:
 
 @pytest.mark.parametrize(
     "world,case,stage",
-    [(w, c, s) for w, cases in WORLD_CASES.items() for c in cases for s in (0, 1, 2)],
+    [(w, c, s) for w, cases in WORLD_CASES.items() for c in cases for s in _stages(c)],
 )
 def test_losses_and_weights_match_ddp(world, case, stage):
     spec, r = _results(world)[(stage, case)]
@@ -74,7 +87,7 @@ def test_losses_and_weights_match_ddp(world, case, stage):
 
 def test_clipping_was_active(results):
     """The clip case must actually clip: the norm before clipping exceeds the limit."""
-    for stage in (0, 1, 2):
+    for stage in STAGES:
         spec, r = results[(stage, "clip")]
         assert min(r["norms"]) > spec.clip
 
@@ -85,6 +98,6 @@ def test_training_moves_the_loss(results):
 
 
 def test_tied_weights_stay_tied(results):
-    for stage in (0, 1, 2):
+    for stage in STAGES:
         _, r = results[(stage, "plain")]
         torch.testing.assert_close(r["state"]["wte.weight"], r["state"]["head.weight"])

@@ -1,0 +1,256 @@
+"""Building a model straight into shards, so that no rank ever holds all of it.
+
+[Note: deferred construction]
+Under ``deferred_init()`` every parameter a module registers is moved to the meta
+device: shapes and dtypes, no data (buffers stay real, since many cannot be
+recomputed later). The engine then creates only this rank's shards and fills them,
+one module (or one file entry) at a time, from one of three sources:
+
+* a state-dict file (``init="weights.pt"``), memory-mapped, so each rank reads only
+  the bytes of its own slices;
+* the modules' own ``reset_parameters()`` followed by an optional
+  ``init(qualified_name, module)``; rank 0's values are broadcast module by module,
+  so every rank agrees whatever the RNG state;
+* for an ordinary (materialised) model: its current values, rank 0's broadcast unit
+  by unit, as DDP does.
+
+The peak is one module's (or one unit's) parameters, never the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .flat import FlatUnit, ParamSlot, padded_size
+from .partition import NamedParams
+
+ModuleInit = Callable[[str, nn.Module], None]
+InitSource = str | os.PathLike | ModuleInit | None
+
+
+@contextlib.contextmanager
+def deferred_init() -> Iterator[None]:
+    """Construct modules with parameters on the meta device. See [Note: deferred construction]."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def is_deferred(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def partitioned_units(
+    groups: list[NamedParams],
+    bucket_elements: int,
+    dtype: torch.dtype,
+    world: int,
+    rank: int,
+    device: torch.device,
+) -> tuple[list[FlatUnit], list[list[int]]]:
+    """Empty shards for each group's parameters, split at ``bucket_elements``.
+
+    Returns the units and, per group, the indices of its units.
+    """
+    units: list[FlatUnit] = []
+    per_group: list[list[int]] = []
+    for params in groups:
+        indices: list[int] = []
+        chunk: NamedParams = []
+        size = 0
+        for names, p in [*params, ([], None)]:
+            if chunk and (p is None or size + p.numel() > bucket_elements):
+                slots, offset = [], 0
+                for chunk_names, q in chunk:
+                    slots.append(ParamSlot(chunk_names, q, offset, q.numel(), q.shape))
+                    offset += q.numel()
+                shard = torch.zeros(padded_size(offset, world) // world, dtype=dtype, device=device)
+                indices.append(len(units))
+                units.append(FlatUnit(len(units), slots, world, rank, shard, partitioned=True))
+                chunk, size = [], 0
+            if p is not None:
+                chunk.append((names, p))
+                size += p.numel()
+        per_group.append(indices)
+    return units, per_group
+
+
+def _copy_overlap(unit: FlatUnit, slot: ParamSlot, values: torch.Tensor) -> None:
+    """Copy the part of one parameter's values that falls in this rank's shard."""
+    lo, hi = unit.shard_range
+    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+    if a < b:
+        flat = values.reshape(-1)
+        unit.flat[a - lo : b - lo].copy_(flat[a - slot.offset : b - slot.offset])
+
+
+def _slot_index(units: list[FlatUnit]) -> dict[int, tuple[FlatUnit, ParamSlot]]:
+    return {id(s.param): (u, s) for u in units for s in u.slots}
+
+
+def fill_from_module(units: list[FlatUnit], communicator: comm.Communicator) -> None:
+    """Shards from a materialised model's own values, rank 0's broadcast unit by unit."""
+    for unit in units:
+        full = torch.zeros(unit.padded_numel, dtype=unit.flat.dtype, device=unit.flat.device)
+        for slot, view in zip(unit.slots, unit.views_of(full), strict=True):
+            view.copy_(slot.param.detach())
+        if communicator.world > 1:
+            communicator.broadcast(full, "init").wait()
+        unit.flat.copy_(unit.shard_of(full))
+
+
+def fill_from_init(
+    root: nn.Module,
+    units: list[FlatUnit],
+    communicator: comm.Communicator,
+    init: ModuleInit | None,
+) -> None:
+    """Shards of a deferred model from its initialisers, one module at a time."""
+    where = _slot_index(units)
+    device = units[0].flat.device
+    done: set[int] = set()
+    for qual, module in root.named_modules():
+        own = [p for p in module._parameters.values() if p is not None and id(p) not in done]
+        if not own:
+            continue
+        for p in own:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        if init is not None:
+            init(qual, module)
+        for p in own:
+            done.add(id(p))
+            if communicator.world > 1:
+                communicator.broadcast(p.data, "init").wait()
+            if id(p) in where:
+                unit, slot = where[id(p)]
+                _copy_overlap(unit, slot, p.data)
+            p.data = torch.empty(0, dtype=p.dtype, device="meta")
+
+
+class StateDictFile:
+    """A full state dict on disk, memory-mapped; entries are read only where sliced."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"init: {self.path} is not a file")
+        try:
+            self.entries = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"init: {self.path} is not a torch state-dict file: {exc}") from exc
+        if not isinstance(self.entries, dict):
+            raise ValueError(f"init: {self.path} holds a {type(self.entries).__name__}, not a dict")
+
+    def value(self, names: list[str], shape: torch.Size) -> torch.Tensor:
+        for name in names:
+            if name in self.entries:
+                tensor = self.entries[name]
+                if tensor.shape != shape:
+                    raise ValueError(
+                        f"init: {self.path}: {name} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(shape)}"
+                    )
+                return tensor
+        raise ValueError(f"init: {self.path} has no entry for parameter {' / '.join(names)}")
+
+    def check_keys(self, root: nn.Module) -> None:
+        known = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+        known |= {n for n, _ in root.named_buffers(remove_duplicate=False)}
+        unknown = sorted(set(self.entries) - known)
+        if unknown:
+            shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+            raise ValueError(f"init: {self.path} has entries the model lacks: {shown}")
+
+    def load_buffers(self, root: nn.Module) -> None:
+        for name, buffer in root.named_buffers():
+            if name in self.entries:
+                with torch.no_grad():
+                    buffer.copy_(self.value([name], buffer.shape))
+
+
+def fill_from_file(root: nn.Module, units: list[FlatUnit], source: StateDictFile) -> None:
+    """Shards straight from a state-dict file: each rank reads its own slices."""
+    source.check_keys(root)
+    with torch.no_grad():
+        for unit in units:
+            for slot in unit.slots:
+                _copy_overlap(unit, slot, source.value(slot.names, slot.shape))
+    source.load_buffers(root)
+
+
+def materialize(root: nn.Module, init: InitSource, device: torch.device) -> None:
+    """Give a deferred model (or one to be loaded from a file) real, whole parameters.
+
+    For stages 0-2, which keep whole parameters anyway.
+    """
+    if isinstance(init, str | os.PathLike):
+        source = StateDictFile(init)
+        source.check_keys(root)
+        with torch.no_grad():
+            for names, p in _named_unique(root):
+                value = source.value(names, p.shape)
+                p.data = value.to(device=device, dtype=p.dtype, copy=True)
+        source.load_buffers(root)
+        return
+    done: set[int] = set()
+    for qual, module in root.named_modules():
+        own = [p for p in module._parameters.values() if p is not None and p.is_meta]
+        own = [p for p in own if id(p) not in done]
+        if not own:
+            continue
+        for p in own:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            done.add(id(p))
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        if callable(init):
+            init(qual, module)
+
+
+def _named_unique(root: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    names: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), ([], p))[0].append(name)
+    return list(names.values())
+
+
+def release_parameters(units: list[FlatUnit]) -> None:
+    """Make every registered parameter an empty placeholder (its data lives in shards)."""
+    for unit in units:
+        for slot in unit.slots:
+            slot.param.data = _placeholder(unit.flat.dtype, unit.flat.device)
+
+
+def engine_device(module: nn.Module, group) -> torch.device:
+    """Where a deferred model's shards go: this rank's GPU on NCCL, else the CPU."""
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cpu")

@@ -1,0 +1,354 @@
+"""Stage 3: parameters exist whole only while a module uses them.
+
+[Note: gather and release]
+Every rank keeps only its shard of each unit. A group's forward (partition.py)
+gathers its units into fresh buffers on entry and drops them on exit. What the
+module sees as ``self.weight`` is served by a property on its class: the view of
+the gathered buffer that a ``_GatherUnit`` autograd node produced for this window.
+The module's registered nn.Parameter stays in place as an empty placeholder (so
+``parameters()``, dtype and device queries keep working) but holds no data.
+
+Three things make this hold for arbitrary models:
+
+* Saved tensors. Autograd keeps the weights it needs for backward. A saved-tensor
+  hook replaces every tensor that aliases a gathered buffer by a reference (unit,
+  offset, shape, stride) and, in backward, gathers the unit again and returns the
+  same view of the new buffer. So a buffer can be released after forward whatever
+  the module did with its weights, and backward gathers exactly what it reads.
+* Uses outside the owner's window. A property read of a released unit inside a
+  forward (a tied weight read by another group, a block's weight read by its
+  neighbour) gathers the unit on demand for the innermost open window.
+* Gradients. The ``_GatherUnit`` node receives the gradients of all the unit's
+  parameters once autograd is done with every use in its window; a unit used in k
+  windows has k nodes, and its reduce-scatter is launched when the last fires
+  (or, for a node that never fires, when backward ends). See [Note: stage 3
+  reduction] in hooks.py.
+
+[Note: prefetch]
+Each pass (forward, backward) records the order in which it requested units. The
+next pass follows the recorded order: on each request it issues the gathers of the
+units that come next, as long as the gathered elements (including in-flight
+gathers) stay within ``stage3_prefetch_elements``. A request that departs from the
+plan stops prefetching for the rest of that pass, and the pass's own order becomes
+the next plan. Decisions depend only on counts, never on timing, so every rank
+issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from . import comm
+from .flat import FlatUnit
+from .hooks import GradReducer
+
+
+class _GatherUnit(torch.autograd.Function):
+    """Forward: the views of a gathered unit. Backward: hand their gradients to the engine."""
+
+    @staticmethod
+    def forward(ctx, gatherer: ParamGatherer, index: int, anchor: torch.Tensor):
+        ctx.gatherer, ctx.index = gatherer, index
+        ctx.set_materialize_grads(False)
+        return tuple(gatherer.views_of_live(index))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.gatherer.unit_backward(ctx.index, grads)
+        return None, None, None
+
+
+@dataclass(frozen=True)
+class _SavedRef:
+    """A saved tensor that aliased a gathered buffer: where to find it again."""
+
+    unit: int
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Live:
+    buffer: torch.Tensor
+    pending: comm.Pending | None
+
+
+@dataclass
+class _Order:
+    """See [Note: prefetch]."""
+
+    plan: list[int] = field(default_factory=list)
+    current: list[int] = field(default_factory=list)
+    pos: int = 0
+    following: bool = False
+
+
+_MANAGED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def _managed_class(cls: type, names: frozenset[str]) -> type:
+    """A subclass of ``cls`` whose ``names`` read through the gatherer."""
+    key = (cls, names)
+    if key not in _MANAGED_CLASSES:
+
+        def getter(name: str, module: nn.Module) -> torch.Tensor:
+            return module.__dict__["_zeroservice_gatherer"].param(module, name)
+
+        namespace: dict[str, object] = {n: property(partial(getter, n)) for n in names}
+        namespace["_zeroservice_original_class"] = cls
+        _MANAGED_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    return _MANAGED_CLASSES[key]
+
+
+class ParamGatherer:
+    """Gathers, serves and releases partitioned units. See [Note: gather and release]."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        groups: Sequence[tuple[nn.Module, list[int]]],
+        units: list[FlatUnit],
+        communicator: comm.Communicator,
+        reducer: GradReducer,
+        prefetch_elements: int,
+        persistence_elements: int,
+    ):
+        self.root, self.units, self.comm, self.reducer = root, units, communicator, reducer
+        self.prefetch_elements = prefetch_elements
+        self.dtype = units[0].flat.dtype
+        self.element_size = units[0].flat.element_size()
+        self.persistent = {u.index for u in units if u.padded_numel <= persistence_elements}
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._live: dict[int, _Live] = {}
+        self._by_storage: dict[int, int] = {}
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._windows: list[list[int]] = []
+        self._touched: set[int] = set()
+        self._expected = [0] * len(units)
+        self._fired = [0] * len(units)
+        self._orders = {"forward": _Order(), "backward": _Order()}
+        self.live_elements = 0
+        self.peak_live_elements = 0
+        self._slots: dict[tuple[int, str], tuple[int, int]] = {}
+        self._install_properties()
+        self._handles = []
+        for module, indices in groups:
+            is_root = module is root
+            self._handles.append(
+                module.register_forward_pre_hook(partial(self._enter, indices, is_root))
+            )
+            self._handles.append(
+                module.register_forward_hook(partial(self._exit, is_root), always_call=True)
+            )
+        comm.wait_all([self._issue(i) for i in sorted(self.persistent)])
+
+    # -- what modules see ---------------------------------------------------------
+    def _install_properties(self) -> None:
+        modules = dict(self.root.named_modules(remove_duplicate=False))
+        names: dict[int, tuple[nn.Module, set[str]]] = {}
+        for unit in self.units:
+            for s, slot in enumerate(unit.slots):
+                for qual in slot.names:
+                    owner, _, local = qual.rpartition(".")
+                    module = modules[owner]
+                    self._slots[(id(module), local)] = (unit.index, s)
+                    names.setdefault(id(module), (module, set()))[1].add(local)
+        self._managed = [module for module, _ in names.values()]
+        for module, local_names in names.values():
+            module.__dict__["_zeroservice_gatherer"] = self
+            module.__class__ = _managed_class(type(module), frozenset(local_names))
+
+    def param(self, module: nn.Module, name: str) -> torch.Tensor:
+        """The value of ``module.<name>``: the gathered view, gathered on demand in forward."""
+        index, slot = self._slots[(id(module), name)]
+        views = self._views.get(index)
+        if views is None:
+            if not self._windows:
+                placeholder = module._parameters[name]  # outside forward: empty
+                assert placeholder is not None
+                return placeholder
+            self._use(index, self._windows[-1])
+            views = self._views[index]
+        return views[slot]
+
+    def views_of_live(self, index: int) -> list[torch.Tensor]:
+        return self.units[index].views_of(self._buffer(index))
+
+    # -- forward windows ------------------------------------------------------------
+    def _enter(self, indices: list[int], is_root: bool, module, args) -> None:
+        if is_root and not self._windows:
+            self._begin_pass("forward")
+        window: list[int] = []
+        self._windows.append(window)
+        for index in indices:
+            if index not in self._views:
+                self._use(index, window)
+
+    def _exit(self, is_root: bool, module, args, output) -> None:
+        for index in self._windows.pop():
+            self._views.pop(index, None)
+            self._release(index)
+        if is_root and not self._windows:
+            self._views.clear()
+            self._release_all()
+            self._end_pass("forward")
+
+    def _use(self, index: int, window: list[int]) -> None:
+        self._request(index, "forward")
+        if torch.is_grad_enabled():
+            self._expected[index] += 1
+            self._views[index] = _GatherUnit.apply(self, index, self._anchor)
+        else:
+            self._views[index] = tuple(self.views_of_live(index))
+        window.append(index)
+
+    # -- backward -------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor):
+        """Saved-tensor hook: replace aliases of gathered buffers by references."""
+        try:
+            key = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return tensor
+        index = self._by_storage.get(key)
+        if index is None or tensor.dtype != self.dtype:
+            return tensor
+        return _SavedRef(index, int(tensor.storage_offset()), tensor.size(), tensor.stride())
+
+    def unpack(self, saved):
+        if type(saved) is not _SavedRef:
+            return saved
+        if saved.unit not in self._live or saved.unit not in self._touched:
+            self._touched.add(saved.unit)
+            self._request(saved.unit, "backward")
+        return self._buffer(saved.unit).as_strided(saved.size, saved.stride, saved.offset)
+
+    def begin_backward(self) -> None:
+        self._touched.clear()
+        self._begin_pass("backward")
+
+    def unit_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        if not self.reducer.active:
+            raise RuntimeError(
+                "stage 3: gradients reached the engine outside engine.backward(loss); "
+                "call engine.backward(loss) instead of loss.backward()"
+            )
+        unit = self.units[index]
+        for slot, grad in enumerate(grads):
+            if grad is not None:
+                self.reducer.stage_grad(unit, slot, grad)
+        self._fired[index] += 1
+        if self._fired[index] >= self._expected[index]:
+            self.reducer.launch_now(unit)
+            self._release(index)
+
+    def end_backward(self) -> None:
+        """After the reducer finished: drop what backward gathered, reset the node counts."""
+        self._release_all()
+        self._expected = [0] * len(self.units)
+        self._fired = [0] * len(self.units)
+        self._end_pass("backward")
+
+    # -- after the optimizer step -----------------------------------------------------
+    def refresh_persistent(self) -> list[comm.Pending]:
+        """Persistent units are gathered again from the updated shards."""
+        return [self._gather_into(i, self._live[i].buffer) for i in sorted(self.persistent)]
+
+    def gather_copy(self, index: int) -> torch.Tensor:
+        """A fresh whole copy of one unit (for state dicts), not tracked as live."""
+        unit = self.units[index]
+        buffer = torch.empty(unit.padded_numel, dtype=self.dtype, device=unit.flat.device)
+        self._gather_into(index, buffer, tag="state").wait()
+        return buffer
+
+    # -- gathering ------------------------------------------------------------------
+    def _gather_into(self, index: int, buffer: torch.Tensor, tag: str = "params") -> comm.Pending:
+        self.comm.chunk(buffer).copy_(self.units[index].flat)
+        return self.comm.all_gather(buffer, tag)
+
+    def _issue(self, index: int) -> comm.Pending:
+        unit = self.units[index]
+        buffer = torch.empty(unit.padded_numel, dtype=self.dtype, device=unit.flat.device)
+        pending = self._gather_into(index, buffer)
+        self._live[index] = _Live(buffer, pending)
+        self._by_storage[buffer.untyped_storage().data_ptr()] = index
+        self.live_elements += unit.padded_numel
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        return pending
+
+    def _buffer(self, index: int) -> torch.Tensor:
+        live = self._live[index]
+        if live.pending is not None:
+            live.pending.wait()
+            live.pending = None
+        return live.buffer
+
+    def _request(self, index: int, phase: str) -> None:
+        """Make sure ``index`` is gathered (or on its way), following and recording the plan."""
+        if index in self.persistent:
+            return
+        order = self._orders[phase]
+        order.current.append(index)
+        if order.following and order.pos < len(order.plan) and order.plan[order.pos] == index:
+            order.pos += 1
+        else:
+            order.following = False
+        if index not in self._live:
+            self._issue(index)
+        if order.following:
+            self._prefetch(order)
+
+    def _prefetch(self, order: _Order) -> None:
+        for index in order.plan[order.pos :]:
+            if index in self._live or index in self.persistent:
+                continue
+            if self.live_elements + self.units[index].padded_numel > self.prefetch_elements:
+                return
+            self._issue(index)
+
+    def _release(self, index: int) -> None:
+        if index in self.persistent or index not in self._live:
+            return
+        self._buffer(index)  # an in-flight gather completes before its buffer is dropped
+        live = self._live.pop(index)
+        del self._by_storage[live.buffer.untyped_storage().data_ptr()]
+        self.live_elements -= self.units[index].padded_numel
+
+    def _release_all(self) -> None:
+        for index in list(self._live):
+            self._release(index)
+
+    def _begin_pass(self, phase: str) -> None:
+        order = self._orders[phase]
+        order.current, order.pos, order.following = [], 0, bool(order.plan)
+
+    def _end_pass(self, phase: str) -> None:
+        order = self._orders[phase]
+        order.plan, order.current = order.current, []
+
+    # -- ledger and teardown ----------------------------------------------------------
+    @property
+    def live_bytes(self) -> int:
+        return self.live_elements * self.element_size
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return self.peak_live_elements * self.element_size
+
+    def reset_peak(self) -> None:
+        self.peak_live_elements = self.live_elements
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module in self._managed:
+            module.__class__ = type(module)._zeroservice_original_class  # type: ignore[attr-defined]
+            module.__dict__.pop("_zeroservice_gatherer", None)
+        self._views.clear()
+        self._release_all()
