@@ -61,6 +61,15 @@ def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
+def _set_data(param: nn.Parameter, value: torch.Tensor) -> None:
+    """``param.data = value``, also from the meta device (which ``.data`` refuses)."""
+    if param.is_meta != value.is_meta:
+        fresh = nn.Parameter(value, requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, fresh)
+    else:
+        param.data = value
+
+
 def partitioned_units(
     groups: list[NamedParams],
     bucket_elements: int,
@@ -111,13 +120,50 @@ def _slot_index(units: list[FlatUnit]) -> dict[int, tuple[FlatUnit, ParamSlot]]:
 
 def fill_from_module(units: list[FlatUnit], communicator: comm.Communicator) -> None:
     """Shards from a materialised model's own values, rank 0's broadcast unit by unit."""
+    first = units[0].flat
+    largest = max(u.padded_numel for u in units)
+    scratch = torch.empty(largest, dtype=first.dtype, device=first.device)
     for unit in units:
-        full = torch.zeros(unit.padded_numel, dtype=unit.flat.dtype, device=unit.flat.device)
+        full = scratch[: unit.padded_numel].zero_()
         for slot, view in zip(unit.slots, unit.views_of(full), strict=True):
             view.copy_(slot.param.detach())
         if communicator.world > 1:
             communicator.broadcast(full, "init").wait()
         unit.flat.copy_(unit.shard_of(full))
+
+
+def _own_params(module: nn.Module, done: set[int]) -> list[nn.Parameter]:
+    return [p for p in module._parameters.values() if p is not None and id(p) not in done]
+
+
+class _Scratch:
+    """One reusable host buffer that every module's parameters are materialised into in
+    turn: allocating and freeing each module's tensors instead leaves glibc's heap
+    holding most of the model's bytes after the fact."""
+
+    ALIGN = 64
+
+    def __init__(self, modules: list[nn.Module], device: torch.device):
+        need = max((self._layout(m)[1] for m in modules), default=0)
+        self.buffer = torch.empty(need, dtype=torch.uint8, device=device)
+
+    @classmethod
+    def _layout(cls, module: nn.Module) -> tuple[list[int], int]:
+        offsets, end = [], 0
+        for p in module._parameters.values():
+            if p is not None:
+                offsets.append(end)
+                end += -(-p.numel() * p.element_size() // cls.ALIGN) * cls.ALIGN
+        return offsets, end
+
+    def views(self, module: nn.Module) -> dict[int, torch.Tensor]:
+        offsets, _ = self._layout(module)
+        params = [p for p in module._parameters.values() if p is not None]
+        out = {}
+        for p, start in zip(params, offsets, strict=True):
+            raw = self.buffer[start : start + p.numel() * p.element_size()]
+            out[id(p)] = raw.view(p.dtype).view(p.shape)
+        return out
 
 
 def fill_from_init(
@@ -129,13 +175,16 @@ def fill_from_init(
     """Shards of a deferred model from its initialisers, one module at a time."""
     where = _slot_index(units)
     device = units[0].flat.device
+    modules = list(root.named_modules())
+    scratch = _Scratch([m for _, m in modules], device)
     done: set[int] = set()
-    for qual, module in root.named_modules():
-        own = [p for p in module._parameters.values() if p is not None and id(p) not in done]
+    for qual, module in modules:
+        own = _own_params(module, done)
         if not own:
             continue
+        views = scratch.views(module)
         for p in own:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            _set_data(p, views[id(p)])
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
@@ -148,7 +197,7 @@ def fill_from_init(
             if id(p) in where:
                 unit, slot = where[id(p)]
                 _copy_overlap(unit, slot, p.data)
-            p.data = torch.empty(0, dtype=p.dtype, device="meta")
+            p.data = _placeholder(p.dtype, device)
 
 
 class StateDictFile:
@@ -213,7 +262,7 @@ def materialize(root: nn.Module, init: InitSource, device: torch.device) -> None
         with torch.no_grad():
             for names, p in _named_unique(root):
                 value = source.value(names, p.shape)
-                p.data = value.to(device=device, dtype=p.dtype, copy=True)
+                _set_data(p, value.to(device=device, dtype=p.dtype, copy=True))
         source.load_buffers(root)
         return
     done: set[int] = set()
@@ -223,7 +272,7 @@ def materialize(root: nn.Module, init: InitSource, device: torch.device) -> None
         if not own:
             continue
         for p in own:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            _set_data(p, torch.empty(p.shape, dtype=p.dtype, device=device))
             done.add(id(p))
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
@@ -243,7 +292,7 @@ def release_parameters(units: list[FlatUnit]) -> None:
     """Make every registered parameter an empty placeholder (its data lives in shards)."""
     for unit in units:
         for slot in unit.slots:
-            slot.param.data = _placeholder(unit.flat.dtype, unit.flat.device)
+            _set_data(slot.param, _placeholder(unit.flat.dtype, unit.flat.device))
 
 
 def engine_device(module: nn.Module, group) -> torch.device:

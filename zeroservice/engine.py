@@ -257,7 +257,9 @@ class Engine:
             master=self.optimizer.master_bytes(),
             optimizer_states=tensor_bytes(big),
             optimizer_other=tensor_bytes(small),
-            comm_buffers=self.reducer.pool.resident_bytes + self.comm.buffer_bytes(),
+            comm_buffers=self.reducer.pool.resident_bytes
+            + self.comm.buffer_bytes()
+            + (self.gatherer.cached_bytes if self.gatherer else 0),
             expected=expected(self.psi),
             expected_padded=expected(psi_padded),
             gathered_params=self.gatherer.live_bytes if self.gatherer else 0,

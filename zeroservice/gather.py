@@ -89,6 +89,48 @@ class _Order:
     following: bool = False
 
 
+def _sole_owner(buffer: torch.Tensor) -> bool:
+    """No view of ``buffer`` is alive anywhere (so its memory may be reused)."""
+    try:
+        # The tensor itself and the temporary storage object: 2 references.
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class BufferCache:
+    """Whole-unit buffers kept after release and reused by the next gather of that size.
+
+    Gathering allocates and frees the same few sizes over and over; through malloc,
+    glibc keeps such freed blocks in its heap, so the process grows well past what it
+    uses (ZeRO-R's fragmentation, on the host). Reusing the buffers keeps the resident
+    size at the gathered peak. A buffer still referenced by a view (a user kept a
+    weight) is never reused, only dropped; the cache holds at most ``limit`` elements.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, limit: int):
+        self.dtype, self.device, self.limit = dtype, device, limit
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.idle_elements = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        free = self._free.get(numel)
+        if free:
+            self.idle_elements -= numel
+            return free.pop()
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        numel = buffer.numel()
+        if self.idle_elements + numel <= self.limit and _sole_owner(buffer):
+            self._free.setdefault(numel, []).append(buffer)
+            self.idle_elements += numel
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.idle_elements = 0
+
+
 _MANAGED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
 
 
@@ -124,6 +166,10 @@ class ParamGatherer:
         self.dtype = units[0].flat.dtype
         self.element_size = units[0].flat.element_size()
         self.persistent = {u.index for u in units if u.padded_numel <= persistence_elements}
+        largest = max(u.padded_numel for u in units)
+        self.cache = BufferCache(
+            self.dtype, units[0].flat.device, limit=max(prefetch_elements, 2 * largest)
+        )
         self._anchor = torch.empty(0, requires_grad=True)
         self._live: dict[int, _Live] = {}
         self._by_storage: dict[int, int] = {}
@@ -137,6 +183,8 @@ class ParamGatherer:
         self.peak_live_elements = 0
         self._slots: dict[tuple[int, str], tuple[int, int]] = {}
         self._install_properties()
+        self.groups = [indices for _, indices in groups]
+        """Per group module, the indices of the units its forward gathers."""
         self._handles = []
         for module, indices in groups:
             is_root = module is root
@@ -273,7 +321,7 @@ class ParamGatherer:
 
     def _issue(self, index: int) -> comm.Pending:
         unit = self.units[index]
-        buffer = torch.empty(unit.padded_numel, dtype=self.dtype, device=unit.flat.device)
+        buffer = self.cache.take(unit.padded_numel)
         pending = self._gather_into(index, buffer)
         self._live[index] = _Live(buffer, pending)
         self._by_storage[buffer.untyped_storage().data_ptr()] = index
@@ -318,6 +366,7 @@ class ParamGatherer:
         live = self._live.pop(index)
         del self._by_storage[live.buffer.untyped_storage().data_ptr()]
         self.live_elements -= self.units[index].padded_numel
+        self.cache.give(live.buffer)
 
     def _release_all(self) -> None:
         for index in list(self._live):
@@ -337,6 +386,11 @@ class ParamGatherer:
         return self.live_elements * self.element_size
 
     @property
+    def cached_bytes(self) -> int:
+        """Released buffers kept for reuse (see BufferCache)."""
+        return self.cache.idle_elements * self.element_size
+
+    @property
     def peak_live_bytes(self) -> int:
         return self.peak_live_elements * self.element_size
 
@@ -352,3 +406,4 @@ class ParamGatherer:
             module.__dict__.pop("_zeroservice_gatherer", None)
         self._views.clear()
         self._release_all()
+        self.cache.clear()

@@ -165,10 +165,18 @@ def ledgers(specs: list[Spec]) -> list[dict]:
                 "volume": comm.volume_elements(),
                 "entries": comm.as_list(),
                 "units": [(u.numel, u.padded_numel) for u in engine.units],
+                "group_elements": _group_elements(engine),
                 "wall_seconds": time.perf_counter() - t0,
             }
         )
     return out
+
+
+def _group_elements(engine) -> list[int]:
+    """Stage 3: padded elements gathered together by each group's forward."""
+    if engine.gatherer is None:
+        return []
+    return [sum(engine.units[i].padded_numel for i in idx) for idx in engine.gatherer.groups]
 
 
 def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:

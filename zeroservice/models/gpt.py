@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,20 +103,26 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight
-        self.apply(self._init)
-        scaled = 0.02 / math.sqrt(2 * cfg.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-                nn.init.normal_(p, std=scaled)
+        init = self.initializer(cfg)
+        for name, module in self.named_modules():
+            init(name, module)
 
     @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+    def initializer(cfg: GPTConfig) -> Callable[[str, nn.Module], None]:
+        """GPT-2's initialisation, one module at a time (usable for deferred construction):
+        normal(0.02) weights, zero biases, output projections scaled by 1/sqrt(2 layers)."""
+        scaled = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+        def init(name: str, m: nn.Module) -> None:
+            if isinstance(m, nn.Linear):
+                std = scaled if name.endswith(("attn.proj", "mlp.proj")) else 0.02
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+
+        return init
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]

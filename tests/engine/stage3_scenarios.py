@@ -1,0 +1,285 @@
+"""Stage-3 scenarios run inside spawned ranks: models the engine does not know, deferred
+construction, and the errors a user can run into."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroservice
+from zeroservice.config import ZeroConfig
+from zeroservice.data import SyntheticTokens, micro_batch
+from zeroservice.models import GPT, GPTConfig
+
+VOCAB, SEQ = 128, 16
+
+
+def _mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _batch(step: int, micro: int = 0, accum: int = 1, batch: int = 2):
+    data = SyntheticTokens(VOCAB, SEQ, seed=11)
+    return micro_batch(data, step, micro, batch, dist.get_rank(), dist.get_world_size(), accum)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + torch.tanh(self.lin(self.norm(x)))
+        peer = self.__dict__.get("peer")  # not a submodule: its weights belong elsewhere
+        if peer is not None:
+            out = out + 0.1 * F.linear(out, peer.lin.weight)
+        return out
+
+
+class OddModel(nn.Module):
+    """Everything stage 3 must survive: a weight tied across two groups, a block called
+    twice, a block reading another block's weight inside its own forward, and the root
+    reading a block's weight outside that block's forward."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(3))
+        self.blocks[2].lin.weight = self.blocks[1].lin.weight
+        self.blocks[2].__dict__["peer"] = self.blocks[0]
+        self.out = nn.Linear(d, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = self.blocks[0](x)
+        x = self.blocks[1](x)
+        x = self.blocks[1](x)
+        x = self.blocks[2](x)
+        x = x + 0.1 * F.linear(x, self.blocks[0].lin.weight)
+        return F.cross_entropy(self.out(x).view(-1, VOCAB), targets.reshape(-1))
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"odd": OddModel, "gpt2": _gpt2, "llama": _llama}
+
+
+def _loss(name: str, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "odd":
+        return model(x, y)
+    return model(input_ids=x, labels=x).loss
+
+
+def model_parity(name: str, config: dict, steps: int = 10, lr: float = 3e-3) -> dict:
+    """Per-step losses and final weights of the engine and of DDP on the same model."""
+    torch.manual_seed(5)
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    cfg = ZeroConfig(stage=3, **config)
+    engine = zeroservice.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=lr))
+    accum = cfg.gradient_accumulation_steps
+    losses, ref_losses = [], []
+    for step in range(steps):
+        total, ref_total = 0.0, 0.0
+        for m in range(accum):
+            x, y = _batch(step, m, accum)
+            loss = _loss(name, engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accum
+            ctx = ddp.no_sync() if m < accum - 1 else _null()
+            with ctx:
+                ref_loss = _loss(name, ddp, x, y)
+                (ref_loss / accum).backward()
+            ref_total += ref_loss.item() / accum
+        if cfg.gradient_clipping:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.gradient_clipping)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        losses.append(_mean_over_ranks(total))
+        ref_losses.append(_mean_over_ranks(ref_total))
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "state": {k: v.float().clone() for k, v in engine.state_dict().items()},
+        "ref_state": {k: v.detach().float().clone() for k, v in ref.state_dict().items()},
+    }
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _vm_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    """Make VmHWM (the peak resident size) restart from the current size."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+BIG = GPTConfig(vocab_size=8192, seq_len=64, n_layer=24, n_head=8, dim=512)
+
+
+def construction_peak(deferred: bool) -> dict:
+    """Peak resident bytes added by building BIG and wrapping it at stage 3."""
+    with zeroservice.deferred_init():  # the first meta-device op imports ~70 MiB of code
+        nn.Embedding(2, 2)
+    dist.barrier()
+    _reset_peak()
+    base = _vm_kib("VmRSS")
+    if deferred:
+        with zeroservice.deferred_init():
+            model = GPT(BIG)
+        init = GPT.initializer(BIG)
+    else:
+        torch.manual_seed(0)
+        model = GPT(BIG)
+        init = None
+    engine = zeroservice.initialize(
+        model,
+        ZeroConfig(stage=3, stage3_persistence_elements=0),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        init=init,
+    )
+    peak = (_vm_kib("VmHWM") - base) * 1024
+    ledger = engine.memory_ledger()
+    x, y = micro_batch(SyntheticTokens(BIG.vocab_size, BIG.seq_len, seed=1), 0, 0, 1, 0, 1, 1)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    out = {
+        "peak_bytes": peak,
+        "full_bytes": 4 * BIG.num_params(),
+        "params_bytes": ledger.params,
+        "psi_padded": ledger.psi_padded,
+        "loss": loss.item(),
+        "digest": sum(u.flat.double().sum().item() for u in engine.units),
+    }
+    engine.close()
+    return out
+
+
+def deferred_init_agrees() -> dict:
+    """A deferred model initialised by the modules' own initialisers: every rank ends up
+    with the same whole weights, drawn from the intended distributions."""
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, dim=64)
+    torch.manual_seed(dist.get_rank())  # ranks disagree: the engine must not care
+    with zeroservice.deferred_init():
+        model = GPT(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    engine = zeroservice.initialize(
+        model, ZeroConfig(stage=3), lambda ps: torch.optim.AdamW(ps), init=GPT.initializer(cfg)
+    )
+    state = engine.state_dict()
+    x, y = _batch(0)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return {"state": {k: v.clone() for k, v in state.items()}, "loss": loss.item()}
+
+
+def file_init_parity(path: str, stage: int, steps: int = 6) -> dict:
+    """A deferred GPT loaded from a state-dict file trains like DDP on the eager model."""
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, dim=64)
+    ref = GPT(cfg)
+    ref.load_state_dict(torch.load(path, weights_only=True))
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    with zeroservice.deferred_init():
+        model = GPT(cfg)
+    engine = zeroservice.initialize(
+        model, ZeroConfig(stage=stage), lambda ps: torch.optim.AdamW(ps, lr=3e-3), init=path
+    )
+    losses, ref_losses = [], []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ddp(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        losses.append(_mean_over_ranks(loss.item()))
+        ref_losses.append(_mean_over_ranks(ref_loss.item()))
+    return {"losses": losses, "ref_losses": ref_losses}
+
+
+def small_gpt_state(path: str) -> None:
+    torch.manual_seed(21)
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, dim=64)
+    torch.save(GPT(cfg).state_dict(), path)
+
+
+def error_message(case: str, path: str = "") -> str:
+    """The message a misuse produces (world 1)."""
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, dim=64)
+    opt = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
+    try:
+        if case == "init-fn-on-real-model":
+            zeroservice.initialize(GPT(cfg), ZeroConfig(stage=3), opt, init=GPT.initializer(cfg))
+        elif case in ("file", "file-stage2"):
+            with zeroservice.deferred_init():
+                model = GPT(cfg)
+            zeroservice.initialize(
+                model, ZeroConfig(stage=3 if case == "file" else 2), opt, init=path
+            )
+        elif case == "plain-backward":
+            engine = zeroservice.initialize(GPT(cfg), ZeroConfig(stage=3), opt)
+            x, y = _batch(0)
+            engine(x, y).backward()
+        else:
+            raise AssertionError(case)
+    except Exception as exc:  # the test asserts on type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
