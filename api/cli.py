@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroservice", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the reference GPT on local ranks and report")
-    demo.add_argument("--stage", type=int, choices=(0, 1, 2), default=2)
+    demo.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3)
     demo.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     demo.add_argument("--world", type=int, default=2, help="local ranks (processes)")
     demo.add_argument("--steps", type=int, default=30)

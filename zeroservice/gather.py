@@ -181,6 +181,10 @@ class ParamGatherer:
         self._orders = {"forward": _Order(), "backward": _Order()}
         self.live_elements = 0
         self.peak_live_elements = 0
+        self.on_demand_gathers = 0
+        """Gathers issued when a unit was needed (the first of a pass, or off-plan)."""
+        self.prefetched_gathers = 0
+        """Gathers issued ahead of use, following the recorded order."""
         self._slots: dict[tuple[int, str], tuple[int, int]] = {}
         self._install_properties()
         self.groups = [indices for _, indices in groups]
@@ -348,6 +352,7 @@ class ParamGatherer:
             order.following = False
         if index not in self._live:
             self._issue(index)
+            self.on_demand_gathers += 1
         if order.following:
             self._prefetch(order)
 
@@ -358,6 +363,7 @@ class ParamGatherer:
             if self.live_elements + self.units[index].padded_numel > self.prefetch_elements:
                 return
             self._issue(index)
+            self.prefetched_gathers += 1
 
     def _release(self, index: int) -> None:
         if index in self.persistent or index not in self._live:
@@ -394,8 +400,10 @@ class ParamGatherer:
     def peak_live_bytes(self) -> int:
         return self.peak_live_elements * self.element_size
 
-    def reset_peak(self) -> None:
+    def reset_counters(self) -> None:
+        """Restart the peak and the gather counts (e.g. at the start of a step)."""
         self.peak_live_elements = self.live_elements
+        self.on_demand_gathers = self.prefetched_gathers = 0
 
     def close(self) -> None:
         for handle in self._handles:

@@ -154,6 +154,8 @@ def ledgers(specs: list[Spec]) -> list[dict]:
         for step in range(2):
             if step == 1:
                 engine.comm_ledger().reset()
+                if engine.gatherer is not None:
+                    engine.gatherer.reset_counters()
                 t0 = time.perf_counter()
             for x, y in _batches(spec, step):
                 engine.backward(engine(x, y))
@@ -166,6 +168,7 @@ def ledgers(specs: list[Spec]) -> list[dict]:
                 "entries": comm.as_list(),
                 "units": [(u.numel, u.padded_numel) for u in engine.units],
                 "group_elements": _group_elements(engine),
+                "gathers": _gather_counts(engine),
                 "wall_seconds": time.perf_counter() - t0,
             }
         )
@@ -177,6 +180,13 @@ def _group_elements(engine) -> list[int]:
     if engine.gatherer is None:
         return []
     return [sum(engine.units[i].padded_numel for i in idx) for idx in engine.gatherer.groups]
+
+
+def _gather_counts(engine) -> dict[str, int]:
+    g = engine.gatherer
+    if g is None:
+        return {}
+    return {"on_demand": g.on_demand_gathers, "prefetched": g.prefetched_gathers}
 
 
 def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:

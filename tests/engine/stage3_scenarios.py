@@ -49,10 +49,12 @@ class _Block(nn.Module):
 class OddModel(nn.Module):
     """Everything stage 3 must survive: a weight tied across two groups, a block called
     twice, a block reading another block's weight inside its own forward, and the root
-    reading a block's weight outside that block's forward."""
+    reading a block's weight outside that block's forward. With ``reorder`` the blocks run
+    in the opposite order on every other call, so the recorded gather order goes stale."""
 
-    def __init__(self, d: int = 32):
+    def __init__(self, d: int = 32, reorder: bool = False):
         super().__init__()
+        self.reorder, self.calls = reorder, 0
         self.emb = nn.Embedding(VOCAB, d)
         self.blocks = nn.ModuleList(_Block(d) for _ in range(3))
         self.blocks[2].lin.weight = self.blocks[1].lin.weight
@@ -61,10 +63,12 @@ class OddModel(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
-        x = self.blocks[0](x)
-        x = self.blocks[1](x)
-        x = self.blocks[1](x)
-        x = self.blocks[2](x)
+        order = [0, 1, 1, 2]
+        if self.reorder and self.calls % 2:
+            order.reverse()
+        self.calls += 1
+        for i in order:
+            x = self.blocks[i](x)
         x = x + 0.1 * F.linear(x, self.blocks[0].lin.weight)
         return F.cross_entropy(self.out(x).view(-1, VOCAB), targets.reshape(-1))
 
@@ -100,11 +104,16 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"odd": OddModel, "gpt2": _gpt2, "llama": _llama}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "odd": OddModel,
+    "odd-reorder": lambda: OddModel(reorder=True),
+    "gpt2": _gpt2,
+    "llama": _llama,
+}
 
 
 def _loss(name: str, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name == "odd":
+    if name.startswith("odd"):
         return model(x, y)
     return model(input_ids=x, labels=x).loss
 

@@ -70,6 +70,9 @@ def test_communication_is_two_psi_per_step(world, stage, precision):
         assert ops[("reduce_scatter", "grads")]["calls"] == units
         # Between steps nothing stays gathered (no unit is under the persistence threshold).
         assert r["memory"]["gathered_params"] == 0
+        # The budget holds the whole tiny model: after the first step every gather but
+        # the first of each pass (forward, backward) is issued ahead of use.
+        assert r["gathers"] == {"on_demand": 2, "prefetched": 2 * units - 2}
         return
     assert r["volume"] == 2 * psi
     if stage == 0:
@@ -97,8 +100,10 @@ def test_stage3_gathered_peak_is_bounded_by_the_prefetch_budget(world):
     largest_group = _largest_block_elements(r)
     # The budget (elements, fp32 here) plus the one group the running module needs.
     assert m["gathered_peak"] <= 4 * (BUDGET + largest_group)
-    # ... and the budget did not make it gather everything at once.
+    # ... and the budget did not make it gather everything at once, yet still let
+    # later groups be gathered ahead of use.
     assert m["gathered_peak"] < 4 * m["psi_padded"]
+    assert r["gathers"]["prefetched"] > 0
 
 
 def _largest_block_elements(r) -> int:

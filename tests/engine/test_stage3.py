@@ -23,6 +23,7 @@ MODEL_CASES = {
         },
         (2,),
     ),
+    "odd-reorder": ("odd-reorder", {"stage3_prefetch_elements": 4000}, (2,)),
     "gpt2": ("gpt2", {}, (2, 4)),
     "llama": ("llama", {"stage3_persistence_elements": 0}, (2,)),
 }
