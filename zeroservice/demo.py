@@ -119,7 +119,8 @@ def format_report(results: list[dict]) -> str:
         f"  {'vs stage 0 (16Ψ)':<18}{_mib(16 * m['psi_padded'])}",
     ]
     if m["stage"] == 3:
-        lines.append(f"  {'gathered, peak':<18}{_mib(m['gathered_peak'])}  (whole units, transient)")
+        peak = _mib(m["gathered_peak"])
+        lines.append(f"  {'gathered, peak':<18}{peak}  (whole units, transient)")
     lines += [
         "",
         f"communication per rank, {r0['measured_steps']} steps after the first",

@@ -77,6 +77,8 @@ class _SavedRef:
 class _Live:
     buffer: torch.Tensor
     pending: comm.Pending | None
+    version: int = -1
+    """The buffer's autograd version once gathered: an in-place write changes it."""
 
 
 @dataclass
@@ -250,6 +252,8 @@ class ParamGatherer:
             self._views.clear()
             self._release_all()
             self._end_pass("forward")
+            for index in self.persistent:
+                self._check_unmodified(index, self._live[index])
 
     def _use(self, index: int, window: list[int]) -> None:
         self._request(index, "forward")
@@ -309,7 +313,12 @@ class ParamGatherer:
     # -- after the optimizer step -----------------------------------------------------
     def refresh_persistent(self) -> list[comm.Pending]:
         """Persistent units are gathered again from the updated shards."""
-        return [self._gather_into(i, self._live[i].buffer) for i in sorted(self.persistent)]
+        pending = []
+        for index in sorted(self.persistent):
+            live = self._live[index]
+            live.pending = self._gather_into(index, live.buffer)
+            pending.append(live.pending)
+        return pending
 
     def gather_copy(self, index: int) -> torch.Tensor:
         """A fresh whole copy of one unit (for state dicts), not tracked as live."""
@@ -338,6 +347,7 @@ class ParamGatherer:
         if live.pending is not None:
             live.pending.wait()
             live.pending = None
+            live.version = live.buffer._version
         return live.buffer
 
     def _request(self, index: int, phase: str) -> None:
@@ -372,7 +382,17 @@ class ParamGatherer:
         live = self._live.pop(index)
         del self._by_storage[live.buffer.untyped_storage().data_ptr()]
         self.live_elements -= self.units[index].padded_numel
+        self._check_unmodified(index, live)
         self.cache.give(live.buffer)
+
+    def _check_unmodified(self, index: int, live: _Live) -> None:
+        if live.pending is None and live.buffer._version != live.version:
+            names = ", ".join(s.names[0] for s in self.units[index].slots)
+            raise RuntimeError(
+                f"stage 3: a parameter among [{names}] was modified in place while gathered; "
+                "the change would be lost, since only shards persist. Change parameters "
+                "through the optimizer, or outside training with stage 0-2"
+            )
 
     def _release_all(self) -> None:
         for index in list(self._live):

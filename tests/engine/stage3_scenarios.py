@@ -148,9 +148,17 @@ def model_parity(name: str, config: dict, steps: int = 10, lr: float = 3e-3) -> 
         ref_opt.zero_grad(set_to_none=True)
         losses.append(_mean_over_ranks(total))
         ref_losses.append(_mean_over_ranks(ref_total))
+    x, y = _batch(steps)
+    engine.eval()
+    ref.eval()
+    with torch.no_grad():  # an evaluation forward gathers and releases, builds no graph
+        eval_loss, ref_eval = _loss(name, engine, x, y).item(), _loss(name, ref, x, y).item()
     return {
         "losses": losses,
         "ref_losses": ref_losses,
+        "eval": (eval_loss, ref_eval),
+        "gathered_after_eval": engine.gatherer.live_elements
+        - sum(engine.units[i].padded_numel for i in engine.gatherer.persistent),
         "state": {k: v.float().clone() for k, v in engine.state_dict().items()},
         "ref_state": {k: v.detach().float().clone() for k, v in ref.state_dict().items()},
     }
@@ -270,6 +278,19 @@ def small_gpt_state(path: str) -> None:
     torch.save(GPT(cfg).state_dict(), path)
 
 
+class _ClampsItsWeight(nn.Module):
+    """Writes to its own weight inside forward: lost at stage 3, so it must be refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.blocks[0].weight.clamp_(-0.1, 0.1)
+        return self.blocks[1](self.blocks[0](x)).mean()
+
+
 def error_message(case: str, path: str = "") -> str:
     """The message a misuse produces (world 1)."""
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=4, dim=64)
@@ -283,6 +304,9 @@ def error_message(case: str, path: str = "") -> str:
             zeroservice.initialize(
                 model, ZeroConfig(stage=3 if case == "file" else 2), opt, init=path
             )
+        elif case == "in-place-weight":
+            engine = zeroservice.initialize(_ClampsItsWeight(), ZeroConfig(stage=3), opt)
+            engine(torch.randn(4, 8))
         elif case == "plain-backward":
             engine = zeroservice.initialize(GPT(cfg), ZeroConfig(stage=3), opt)
             x, y = _batch(0)

@@ -29,6 +29,9 @@ from zeroservice.schedule import lr_factor
         ({"lr_schedule": {"kind": "step"}}, "lr_schedule.kind"),
         ({"loss_scale": {"backoff_factor": 2.0}}, "loss_scale.backoff_factor"),
         ({"train_micro_batch_size": 0}, "train_micro_batch_size"),
+        ({"stage3_grouping": "layers"}, "stage3_grouping"),
+        ({"stage3_prefetch_elements": -1}, "stage3_prefetch_elements"),
+        ({"stage3_persistence_elements": 1.5}, "stage3_persistence_elements"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
@@ -84,6 +87,21 @@ def test_deepspeed_config_translates():
     assert cfg.lr_schedule.kind == "cosine" and cfg.lr_schedule.total_steps == 100
     opt = settings.optimizer([nn.Parameter(torch.zeros(3))])
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.95)
+
+
+def test_deepspeed_stage3_translates():
+    cfg = from_deepspeed(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_max_live_parameters": 1e8,
+                "stage3_param_persistence_threshold": 1e4,
+            }
+        }
+    ).config
+    assert cfg.stage == 3
+    assert cfg.stage3_prefetch_elements == 100_000_000
+    assert cfg.stage3_persistence_elements == 10_000
 
 
 def test_deepspeed_fp16_section():

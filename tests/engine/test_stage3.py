@@ -55,6 +55,9 @@ def test_models_match_ddp(world, case):
         torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0
     )
     assert r["losses"][-1] < r["losses"][0]
+    eval_loss, ref_eval = r["eval"]
+    assert eval_loss == pytest.approx(ref_eval, rel=1e-5)
+    assert r["gathered_after_eval"] == 0
     assert set(r["state"]) == set(r["ref_state"])
     for name, ref in r["ref_state"].items():
         torch.testing.assert_close(r["state"][name], ref, rtol=0, atol=1e-5, msg=name)
@@ -121,6 +124,12 @@ def _error(case: str, path: str = "") -> str:
 
 def test_init_function_needs_a_deferred_model():
     assert _error("init-fn-on-real-model").startswith("ConfigError: init:")
+
+
+def test_in_place_write_to_a_gathered_weight_is_refused():
+    msg = _error("in-place-weight")
+    assert msg.startswith("RuntimeError") and "blocks.0.weight" in msg, msg
+    assert "modified in place" in msg
 
 
 def test_plain_loss_backward_is_refused_at_stage3():
