@@ -32,6 +32,30 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_inspect(args: argparse.Namespace) -> int:
+    from zeroservice.checkpoint import CheckpointError, describe
+
+    try:
+        print(describe(args.dir, verify=args.verify))
+    except CheckpointError as exc:
+        print(f"zeroservice: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _checkpoint_export(args: argparse.Namespace) -> int:
+    from zeroservice.checkpoint import CheckpointError, export_checkpoint
+
+    fmt = args.format or ("pt" if args.out.endswith((".pt", ".pth")) else "safetensors")
+    try:
+        out = export_checkpoint(args.dir, args.out, fmt)
+    except CheckpointError as exc:
+        print(f"zeroservice: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({fmt}, {Path(out).stat().st_size:,} bytes)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroservice", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     demo.add_argument("--json", help="also write rank 0's results to this file")
     demo.set_defaults(func=_demo)
+
+    ckpt = sub.add_parser("checkpoint", help="inspect or export a sharded checkpoint")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    inspect = ckpt_sub.add_parser("inspect", help="print a checkpoint's manifest")
+    inspect.add_argument("dir", help="a checkpoint directory (step-N)")
+    inspect.add_argument("--verify", action="store_true", help="read every byte, check sums")
+    inspect.set_defaults(func=_checkpoint_inspect)
+    export = ckpt_sub.add_parser("export", help="write the full fp32 weights as one file")
+    export.add_argument("dir", help="a checkpoint directory (step-N)")
+    export.add_argument("out", help="output file (.safetensors, or .pt)")
+    export.add_argument("--format", choices=("safetensors", "pt"), help="default: from OUT")
+    export.set_defaults(func=_checkpoint_export)
     return parser
 
 

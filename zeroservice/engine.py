@@ -270,6 +270,22 @@ class Engine:
         """Every collective issued so far: calls, bytes, seconds, bandwidth."""
         return self.ledger
 
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, root, client_state: dict | None = None, keep: int = 3):
+        """Every rank writes what it owns under ``root``/step-N; keeps the newest ``keep``.
+
+        ``client_state`` (JSON: e.g. the data position) comes back from the load."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, root, client_state, keep)
+
+    def load_checkpoint(self, path):
+        """Load a checkpoint directory, or the newest valid one under a root, at this
+        engine's world size and stage; returns a LoadResult (path, step, client_state)."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
     # -- conveniences -------------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

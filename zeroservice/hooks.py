@@ -256,7 +256,8 @@ class GradReducer:
         source, buffer, temporary = self._source(unit)
         if self.policy.shard_world == 1:
             pending = self.comm.all_reduce(source, "grads")
-            reduced, target = source, self.full_grads[unit.index]
+            grads = self.full_grads if self.policy.keep_full_grads else self.shard_grads
+            reduced, target = source, grads[unit.index]
         else:
             # In place: the sum lands in this rank's chunk of the source.
             pending = self.comm.reduce_scatter(source, "grads")

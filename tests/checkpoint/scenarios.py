@@ -1,0 +1,111 @@
+"""Checkpoint scenarios run inside spawned ranks (see zeroservice.launch)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.engine.scenarios import Spec, _batches, _mean_over_ranks, engine_for
+from zeroservice.checkpoint import CheckpointError, save
+
+
+def _train(engine, spec: Spec, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        total = 0.0
+        for x, y in _batches(spec, step):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / spec.accum
+        losses.append(_mean_over_ranks(total))
+    return losses
+
+
+def exact_resume(spec: Spec, root: str, split: int) -> dict:
+    """Uninterrupted losses, and the losses of a run saved at ``split`` and resumed by a
+    fresh engine built from other initial weights."""
+    straight = _train(engine_for(spec), spec, range(spec.steps))
+    first = engine_for(spec)
+    before = _train(first, spec, range(split))
+    first.save_checkpoint(root, client_state={"next_step": split})
+    first.close()
+    torch.manual_seed(999)  # the resumed engine starts elsewhere: only the load may fix it
+    second = engine_for(spec)
+    with torch.no_grad():
+        for unit in second.units:
+            unit.flat.normal_()
+    result = second.load_checkpoint(root)
+    after = _train(second, spec, range(result.client_state["next_step"], spec.steps))
+    return {"straight": straight, "resumed": before + after, "step": result.step}
+
+
+def train_and_save(spec: Spec, root: str, steps: int, keep: int = 3) -> list[float]:
+    engine = engine_for(spec)
+    losses = _train(engine, spec, range(steps))
+    engine.save_checkpoint(root, client_state={"next_step": steps}, keep=keep)
+    return losses
+
+
+def save_every(spec: Spec, root: str, steps: int, keep: int, die_at: int | None = None) -> None:
+    """Save after every step; with ``die_at``, rank 1 exits inside that step's save, after
+    rank 0's file and before its own."""
+    engine = engine_for(spec)
+    if die_at is not None and dist.get_rank() == 1:
+        real = save.write_rank_file
+
+        def dying(path, eng, kinds):
+            if eng.global_steps == die_at:
+                os._exit(17)
+            return real(path, eng, kinds)
+
+        save.write_rank_file = dying
+    for step in range(steps):
+        _train(engine, spec, range(step, step + 1))
+        engine.save_checkpoint(root, client_state={"next_step": step + 1}, keep=keep)
+
+
+def load_and_continue(spec: Spec, path: str, steps: int, resave: str | None = None) -> dict:
+    """Load at this world size and stage; optionally save again at once; train on."""
+    engine = engine_for(spec)
+    result = engine.load_checkpoint(path)
+    if resave:
+        engine.save_checkpoint(resave)
+    start = result.client_state["next_step"]
+    losses = _train(engine, spec, range(start, start + steps))
+    x, y = _batches(spec, 0)[0]
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(x)
+    return {
+        "path": str(result.path),
+        "step": result.step,
+        "skipped": [(str(p), why) for p, why in result.skipped],
+        "losses": losses,
+        "logits": logits if dist.get_rank() == 0 else None,
+        "input": x,
+    }
+
+
+def try_load(spec: Spec, path: str) -> str:
+    engine = engine_for(spec)
+    try:
+        engine.load_checkpoint(path)
+    except CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def save_mid_accumulation(root: str) -> str:
+    spec = Spec(stage=2, accum=2)
+    engine = engine_for(spec)
+    x, y = _batches(spec, 0)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    try:
+        engine.save_checkpoint(root)
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"

@@ -1,0 +1,122 @@
+"""Every fault is detected and named; resume falls back to the newest sound checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.checkpoint import scenarios as sc
+from tests.engine.scenarios import Spec
+from zeroservice.checkpoint import describe
+from zeroservice.launch import run_local
+
+SPEC = Spec(stage=2)
+
+
+@pytest.fixture
+def three_saves(tmp_path):
+    """Checkpoints after steps 1, 2 and 3 (keep 3), at N_d = 2."""
+    run_local(sc.save_every, 2, SPEC, str(tmp_path), 3, 3)
+    return tmp_path, sorted(tmp_path.iterdir())
+
+
+def _load(path) -> dict:
+    return run_local(sc.load_and_continue, 2, SPEC, str(path), 1)[0]
+
+
+def _try(path) -> str:
+    return run_local(sc.try_load, 2, SPEC, str(path))[0]
+
+
+def test_retention_keeps_the_newest_n(tmp_path):
+    run_local(sc.save_every, 2, SPEC, str(tmp_path), 4, 2)
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["step-00000003", "step-00000004"]
+
+
+def _corrupt(directory, how: str) -> str:
+    """Damage one checkpoint; return what the error must say."""
+    shard = directory / "rank-00001.bin"
+    if how == "missing":
+        shard.unlink()
+        return f"{shard}: missing"
+    if how == "truncated":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+        return f"{shard}: truncated or altered"
+    if how == "checksum":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        return f"{shard}: checksum mismatch in "
+    if how == "version":
+        manifest = directory / "manifest.json"
+        m = json.loads(manifest.read_text())
+        m["version"] = 99
+        manifest.write_text(json.dumps(m))
+        return f"{manifest}: format version 99 is not supported"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated", "checksum", "version"])
+def test_fault_is_named_and_resume_falls_back(three_saves, how):
+    root, dirs = three_saves
+    newest = dirs[-1]
+    expected = _corrupt(newest, how)
+    # Loading that checkpoint by name fails and says which file and what.
+    message = _try(newest)
+    assert message.startswith("CheckpointError") and expected in message, message
+    # Resuming from the root passes over it to the newest sound one.
+    r = _load(root)
+    assert r["path"] == str(dirs[-2]) and r["step"] == 2
+    assert len(r["skipped"]) == 1 and expected in r["skipped"][0][1]
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(RuntimeError):  # rank 1 is gone; rank 0 fails on its collective
+        run_local(sc.save_every, 2, SPEC, str(tmp_path), 3, 3, 2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-00000001", "step-00000002"]
+    assert not (tmp_path / "step-00000002" / "manifest.json").exists()
+    r = _load(tmp_path)
+    assert r["step"] == 1 and "incomplete" in r["skipped"][0][1]
+
+
+def test_nothing_valid_is_an_error_listing_each_reason(three_saves):
+    root, dirs = three_saves
+    for d in dirs:
+        _corrupt(d, "checksum")
+    message = _try(root)
+    assert "no complete, valid checkpoint" in message
+    assert all(d.name in message for d in dirs)
+
+
+def test_a_checkpoint_of_another_model_is_refused_without_fallback(three_saves):
+    root, dirs = three_saves
+    manifest = dirs[-1] / "manifest.json"
+    m = json.loads(manifest.read_text())
+    renamed = "blocks.1.mlp.fc.weight"
+    for p in m["params"]:
+        p["names"] = [n.replace(renamed, "blocks.1.mlp.w") for n in p["names"]]
+        p["name"] = p["names"][0]
+    manifest.write_text(json.dumps(m))
+    message = _try(root)  # the newest does not fit: an error, not a silent older load
+    assert message.startswith("CheckpointMismatch"), message
+    assert f"no entry for parameter {renamed}" in message
+
+
+def test_a_tied_checkpoint_loads_into_an_untied_model(three_saves):
+    root, _ = three_saves
+    assert run_local(sc.try_load, 2, Spec(stage=2, tie=False), str(root))[0] == "loaded"
+
+
+def test_save_between_micro_batches_is_refused(tmp_path):
+    message = run_local(sc.save_mid_accumulation, 2, str(tmp_path))[0]
+    assert "micro-batch(es) accumulated" in message
+
+
+def test_inspect_describes_and_verifies(three_saves):
+    _, dirs = three_saves
+    text = describe(dirs[-1], verify=True)
+    assert "step 3" in text and "ZeRO stage 2, fp32, world 2" in text
+    assert "every checksum matches" in text and "rank-00001.bin" in text

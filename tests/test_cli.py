@@ -1,0 +1,51 @@
+"""The ``zeroservice`` command: the demo, and checkpoint inspect / export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from api.cli import main
+from tests.checkpoint import scenarios as sc
+from tests.engine.scenarios import TINY, Spec
+from zeroservice.launch import run_local
+from zeroservice.models import GPT, GPTConfig
+
+
+def test_demo_trains_at_stage3_and_reports(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--steps", "4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ZeRO stage 3" in text and "(equal: True)" in text and "3.00 Ψ" in text
+    result = json.loads(out.read_text())
+    assert result["losses"][-1] < result["losses"][0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    run_local(sc.train_and_save, 2, Spec(stage=3), str(root), 2)
+    return next(root.iterdir())
+
+
+def test_inspect(checkpoint, capsys):
+    assert main(["checkpoint", "inspect", str(checkpoint), "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "ZeRO stage 3, fp32, world 2" in text and "every checksum matches" in text
+
+
+def test_export_both_formats(checkpoint, tmp_path, capsys):
+    for name in ("model.safetensors", "model.pt"):
+        assert main(["checkpoint", "export", str(checkpoint), str(tmp_path / name)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    GPT(GPTConfig(**TINY)).load_state_dict(state)
+
+
+def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zeroservice: ") and "manifest.json: missing" in err
+    assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "x"), "--format", "pt"]) == 1

@@ -1,0 +1,22 @@
+"""Checkpoints that load at any world size and stage: sharded save, resharding load,
+streaming export. See files.py (bytes), layout.py (who holds what), manifest.py (the
+commit point), save.py, load.py and export.py."""
+
+from .export import describe, export_checkpoint, iter_tensors
+from .files import CheckpointError
+from .load import CheckpointMismatch, LoadResult, load_checkpoint
+from .manifest import read_manifest
+from .save import prune, save_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatch",
+    "LoadResult",
+    "describe",
+    "export_checkpoint",
+    "iter_tensors",
+    "load_checkpoint",
+    "prune",
+    "read_manifest",
+    "save_checkpoint",
+]

@@ -1,0 +1,167 @@
+"""Consolidate a sharded checkpoint into one file, and describe one for people.
+
+Export streams: it reads one parameter's segments from the rank files, writes them,
+and drops them before the next, so its peak memory is one parameter, not the model.
+The default output is safetensors (header first, then raw arrays), written here
+directly so that the header can be computed from the manifest before any data is
+read. ``.pt`` output builds a whole state dict in memory (torch.save needs one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .files import CheckpointError, SegmentReader, dtype_of
+from .manifest import read_manifest
+
+_SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def iter_tensors(directory: str | Path, kind: str = "master") -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors of one kind (``master``: the fp32 parameters; or an optimizer state,
+    e.g. ``exp_avg``), one at a time, checksummed."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    reader = SegmentReader(directory, manifest["files"])
+    reader.check_files(set(manifest["files"]))
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for seg in manifest["segments"]:
+        by_key.setdefault((seg["param"], seg["kind"]), []).append(seg)
+    try:
+        for p in manifest["params"]:
+            segs = sorted(by_key.get((p["name"], kind), []), key=lambda s: s["start"])
+            yield p["name"], _assemble(reader, segs, p["numel"], p["name"], kind).view(p["shape"])
+    finally:
+        reader.close()
+
+
+def _assemble(
+    reader: SegmentReader, segs: list[dict[str, Any]], numel: int, name: str, kind: str
+) -> torch.Tensor:
+    if not segs:
+        raise CheckpointError(f"{reader.directory}: no {kind} data for {name}")
+    out = torch.empty(numel, dtype=dtype_of(segs[0]["dtype"]))
+    covered = 0
+    for seg in segs:
+        out[seg["start"] : seg["end"]] = reader.read(seg, 0, seg["end"] - seg["start"], name)
+        covered += seg["end"] - seg["start"]
+    if covered != numel:
+        raise CheckpointError(f"{reader.directory}: {kind} of {name} covers {covered}/{numel}")
+    return out
+
+
+def export_checkpoint(directory: str | Path, out: str | Path, fmt: str = "safetensors") -> Path:
+    """Write the full-precision parameters (and persistent buffers) as one file that
+    ``model.load_state_dict`` accepts."""
+    if fmt not in ("safetensors", "pt"):
+        raise CheckpointError(f"format: {fmt!r} is not 'safetensors' or 'pt'")
+    directory, out = Path(directory), Path(out)
+    manifest = read_manifest(directory)
+    reader = SegmentReader(directory, manifest["files"])
+    reader.check_files(set(manifest["files"]))
+    entries = []
+    for p in manifest["params"]:
+        entries.append((p, "master", "float32", p["shape"], p["numel"]))
+    for b in manifest.get("buffers", []):
+        entries.append((b, "buffer", b["dtype"], b["shape"], b["numel"]))
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for seg in manifest["segments"]:
+        by_key.setdefault((seg["param"], seg["kind"]), []).append(seg)
+
+    def tensor(entry) -> torch.Tensor:
+        p, kind, _, shape, numel = entry
+        segs = sorted(by_key.get((p["name"], kind), []), key=lambda s: s["start"])
+        return _assemble(reader, segs, numel, p["name"], kind).view(shape)
+
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        if fmt == "pt":
+            state = {}
+            for entry in entries:
+                value = tensor(entry)
+                for name in entry[0].get("names", [entry[0]["name"]]):
+                    state[name] = value
+            torch.save(state, tmp)
+        else:
+            _write_safetensors(tmp, entries, tensor, manifest)
+        os.replace(tmp, out)
+    finally:
+        reader.close()
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _write_safetensors(path: Path, entries, tensor, manifest: dict[str, Any]) -> None:
+    header: dict[str, Any] = {
+        "__metadata__": {"format": "pt", "zeroservice_step": str(manifest["step"])}
+    }
+    offset, order = 0, []
+    for entry in entries:
+        p, _, dtype, shape, numel = entry
+        nbytes = numel * torch.empty((), dtype=dtype_of(dtype)).element_size()
+        for name in p.get("names", [p["name"]]):
+            code = _SAFETENSORS_DTYPES.get(dtype)
+            if code is None:
+                raise CheckpointError(f"{name}: dtype {dtype} has no safetensors code; use pt")
+            span = [offset, offset + nbytes]
+            header[name] = {"dtype": code, "shape": shape, "data_offsets": span}
+            offset += nbytes
+            order.append(entry)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for entry in order:  # a tied parameter is written once per name
+            value = tensor(entry).contiguous()
+            f.write(memoryview(value.reshape(-1).view(torch.uint8).numpy().data))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def describe(directory: str | Path, verify: bool = False) -> str:
+    """The manifest in readable form; ``verify`` also reads every byte and checks it."""
+    directory = Path(directory)
+    m = read_manifest(directory)
+    total = sum(m["files"].values())
+    lines = [
+        f"checkpoint {directory}",
+        f"  format {m['format']} v{m['version']}, written {m.get('created', '?')}",
+        f"  step {m['step']} (applied {m['engine']['applied_steps']})",
+        f"  ZeRO stage {m['stage']}, {m['precision']}, world {m['world_size']} "
+        f"(dp {m['dp']} x mp {m['mp']})",
+        f"  {len(m['params'])} parameters, {m['psi']:,} elements; kinds: {', '.join(m['kinds'])}",
+        f"  optimizer {m['optimizer']['class']}, scalars "
+        + (", ".join(f"{k}={v['value']}" for k, v in m["optimizer"]["scalars"].items()) or "-"),
+        f"  loss scaler: {m['engine'].get('loss_scaler') or '-'}",
+        f"  client state: {json.dumps(m.get('client_state', {}))}",
+        f"  files ({total / 2**20:.2f} MiB):",
+    ]
+    lines += [f"    {name}  {size:,} bytes" for name, size in sorted(m["files"].items())]
+    if verify:
+        reader = SegmentReader(directory, m["files"])
+        try:
+            reader.check_files(set(m["files"]))
+            for seg in m["segments"]:
+                reader.read(seg, 0, seg["end"] - seg["start"], f"{seg['kind']} of {seg['param']}")
+        finally:
+            reader.close()
+        lines.append(f"  verified: {len(m['segments'])} segments, every checksum matches")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Atomic files and checksummed segments: the byte-level layer of a checkpoint.
+
+[Note: segments]
+A rank file is a plain concatenation of raw arrays. Each array (one parameter's
+slice of one kind of state) is a *segment*: the manifest records its file, byte
+offset, length, dtype and element range, and a CRC-32 for every block of
+``BLOCK_BYTES``. A reader that needs only part of a segment reads and checks only
+the blocks it covers, so resharding reads what it needs and still detects any
+corruption in it.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+BLOCK_BYTES = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or incompatible; the message names
+    the file and what is wrong."""
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename: readers see the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    return memoryview(flat.view(torch.uint8).numpy().data)
+
+
+def write_segment(f: BinaryIO, tensor: torch.Tensor) -> dict[str, Any]:
+    """Append one array; return its offset, length and block checksums."""
+    offset = f.tell()
+    raw = _raw(tensor)
+    f.write(raw)
+    crcs = [zlib.crc32(raw[i : i + BLOCK_BYTES]) for i in range(0, len(raw), BLOCK_BYTES)]
+    return {"offset": offset, "bytes": len(raw), "crc32": crcs, "dtype": _dtype_name(tensor)}
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return dtype
+
+
+class SegmentReader:
+    """Reads element ranges of segments from rank files, checking the blocks it reads."""
+
+    def __init__(self, directory: Path, files: dict[str, int]):
+        self.directory = directory
+        self.expected_sizes = files
+        self._open: dict[str, BinaryIO] = {}
+
+    def check_files(self, names: set[str]) -> None:
+        for name in sorted(names):
+            path = self.directory / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (the manifest lists it)")
+            size, want = path.stat().st_size, self.expected_sizes[name]
+            if size != want:
+                raise CheckpointError(
+                    f"{path}: truncated or altered: {size} bytes, manifest says {want}"
+                )
+
+    def _file(self, name: str) -> BinaryIO:
+        if name not in self._open:
+            self._open[name] = open(self.directory / name, "rb")  # noqa: SIM115 (closed in close())
+        return self._open[name]
+
+    def read(self, seg: dict[str, Any], start: int, end: int, what: str) -> torch.Tensor:
+        """Elements [start, end) of the segment (segment-relative), checksummed."""
+        dtype = dtype_of(seg["dtype"])
+        size = torch.empty((), dtype=dtype).element_size()
+        lo, hi = start * size, end * size
+        first, last = lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES
+        block_lo = first * BLOCK_BYTES
+        block_hi = min(seg["bytes"], (last + 1) * BLOCK_BYTES)
+        f = self._file(seg["file"])
+        f.seek(seg["offset"] + block_lo)
+        data = f.read(block_hi - block_lo)
+        if len(data) != block_hi - block_lo:
+            raise CheckpointError(f"{self.directory / seg['file']}: ends early, inside {what}")
+        view = memoryview(data)
+        for i, block in enumerate(range(first, last + 1)):
+            piece = view[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]
+            if zlib.crc32(piece) != seg["crc32"][block]:
+                raise CheckpointError(
+                    f"{self.directory / seg['file']}: checksum mismatch in {what} "
+                    f"(block {block} at byte {seg['offset'] + block * BLOCK_BYTES})"
+                )
+        raw = torch.frombuffer(bytearray(view[lo - block_lo : hi - block_lo]), dtype=torch.uint8)
+        return raw.view(dtype)
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()

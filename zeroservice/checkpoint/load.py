@@ -1,0 +1,228 @@
+"""Load a checkpoint at any world size and any stage, directly.
+
+[Note: resharding on load]
+The manifest stores each parameter's elements per kind (master, Adam's moments...)
+as segments written by the old ranks. The new engine knows, for each of its units,
+which elements of which parameters its masters hold (layout.py); for each such
+piece it reads the overlapping parts of the old segments, whatever the old world
+size or stage was. Loading happens in two passes: the first reads and checks every
+byte this rank needs (sizes, block checksums) without touching the engine; all
+ranks agree on the outcome; only then does the second pass write into the engine.
+So a bad checkpoint leaves the engine as it was, and the caller falls back to the
+next newest one.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .files import CheckpointError, SegmentReader, dtype_of
+from .layout import Piece, held_pieces
+from .manifest import candidates, read_manifest
+from .save import persistent_buffers
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint is sound but does not fit this model (no fallback is attempted)."""
+
+
+@dataclass
+class LoadResult:
+    path: Path
+    step: int
+    client_state: dict[str, Any]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Newer checkpoints passed over, and why."""
+
+
+Read = tuple[dict[str, Any], int, int, int]
+"""(segment, first element in the segment, end element, destination offset)."""
+
+
+class _Plan:
+    """Every read this rank needs, grouped by destination."""
+
+    def __init__(self, engine: Engine, manifest: dict[str, Any], directory: Path):
+        self.directory, self.manifest = directory, manifest
+        self.kinds: list[str] = manifest.get("kinds", ["master"])
+        by_name = {n: p for p in manifest["params"] for n in p["names"]}
+        index: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for seg in manifest["segments"]:
+            index.setdefault((seg["param"], seg["kind"]), []).append(seg)
+        self.reads: dict[tuple[int, str], list[Read]] = {}
+        self.files: set[str] = set()
+        whole = engine.policy.shard_world == 1
+        for piece in held_pieces(engine.units, whole):
+            saved = _match(piece, by_name, directory)
+            for kind in self.kinds:
+                segs = index.get((saved["name"], kind), [])
+                self._cover(piece, kind, segs, saved["name"])
+        self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        for name, buffer in persistent_buffers(engine.module):
+            segs = index.get((name, "buffer"), [])
+            if not segs:
+                raise CheckpointMismatch(f"{directory}: no entry for buffer {name}")
+            self.buffers.append((buffer, segs[0]))
+            self.files.add(segs[0]["file"])
+
+    def _cover(self, piece: Piece, kind: str, segs: list[dict[str, Any]], name: str) -> None:
+        reads = self.reads.setdefault((piece.unit.index, kind), [])
+        covered = 0
+        for seg in segs:
+            a, b = max(piece.start, seg["start"]), min(piece.end, seg["end"])
+            if a < b:
+                dest = piece.local + (a - piece.start)
+                reads.append((seg, a - seg["start"], b - seg["start"], dest))
+                self.files.add(seg["file"])
+                covered += b - a
+        if covered != piece.end - piece.start:
+            raise CheckpointError(
+                f"{self.directory}: no {kind} data for elements {piece.start}..{piece.end} "
+                f"of {name} (a rank's file is not listed)"
+            )
+
+    def run(self, reader: SegmentReader, apply: Engine | None) -> None:
+        """Read (and check) everything; with ``apply``, copy it into the engine."""
+        for (unit_index, kind), reads in self.reads.items():
+            target = _target(apply, unit_index, kind) if apply is not None else None
+            for seg, a, b, dest in reads:
+                what = f"{seg['kind']} of {seg['param']}"
+                data = reader.read(seg, a, b, what)
+                if target is not None:
+                    target[dest : dest + (b - a)].copy_(data)
+        for buffer, seg in self.buffers:
+            data = reader.read(seg, 0, seg["end"], f"buffer {seg['param']}")
+            if apply is not None:
+                with torch.no_grad():
+                    buffer.copy_(data.view(buffer.shape))
+
+
+def _match(piece: Piece, by_name: dict[str, dict[str, Any]], directory: Path) -> dict[str, Any]:
+    for name in piece.slot.names:
+        if name in by_name:
+            saved = by_name[name]
+            if tuple(saved["shape"]) != tuple(piece.slot.shape):
+                raise CheckpointMismatch(
+                    f"{directory}: {name} has shape {tuple(saved['shape'])} in the checkpoint, "
+                    f"the model has {tuple(piece.slot.shape)}"
+                )
+            return saved
+    raise CheckpointMismatch(f"{directory}: no entry for parameter {' / '.join(piece.slot.names)}")
+
+
+def _target(engine: Engine, unit_index: int, kind: str) -> torch.Tensor:
+    master = engine.optimizer.masters[unit_index]
+    if kind == "master":
+        return master.data
+    state = engine.optimizer.optimizer.state[master]
+    if kind not in state:
+        state[kind] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    return state[kind]
+
+
+def _all_errors(error: str | None, group) -> list[str]:
+    """Every rank's error, so that all ranks decide alike and can say why."""
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return list(dict.fromkeys(e for e in errors if e is not None))
+
+
+def load_checkpoint(engine: Engine, path: str | Path) -> LoadResult:
+    """Load ``path`` (a checkpoint directory, or a root: its newest valid checkpoint)."""
+    if engine.micro_steps:
+        raise CheckpointError("load: gradients are being accumulated; load between steps")
+    skipped: list[tuple[Path, str]] = []
+    for directory in candidates(path):
+        error: str | None = None
+        plan: _Plan | None = None
+        reader: SegmentReader | None = None
+        try:
+            manifest = read_manifest(directory)
+            _check_optimizer(engine, manifest, directory)
+            plan = _Plan(engine, manifest, directory)
+            reader = SegmentReader(directory, manifest["files"])
+            reader.check_files(plan.files)
+            plan.run(reader, apply=None)
+        except CheckpointMismatch:
+            raise
+        except (CheckpointError, OSError) as exc:
+            error = str(exc)
+        errors = _all_errors(error, engine.group)
+        if not errors:
+            assert plan is not None and reader is not None
+            _apply(engine, plan, reader)
+            reader.close()
+            return LoadResult(directory, manifest["step"], manifest["client_state"], skipped)
+        if reader is not None:
+            reader.close()
+        skipped.append((directory, "; ".join(errors)))
+    reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped) or "none found"
+    raise CheckpointError(f"{path}: no complete, valid checkpoint ({reasons})")
+
+
+def _check_optimizer(engine: Engine, manifest: dict[str, Any], directory: Path) -> None:
+    saved = manifest.get("optimizer", {}).get("class")
+    ours = type(engine.optimizer.optimizer).__name__
+    if saved is not None and saved != ours and len(manifest.get("kinds", [])) > 1:
+        raise CheckpointMismatch(
+            f"{directory}: optimizer states are {saved}'s; this engine runs {ours}"
+        )
+
+
+def _apply(engine: Engine, plan: _Plan, reader: SegmentReader) -> None:
+    for master in engine.optimizer.masters:
+        master.data.zero_()  # padding stays zero
+    plan.run(reader, apply=engine)
+    scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
+    for master in engine.optimizer.masters:
+        state = engine.optimizer.optimizer.state[master]
+        for key, spec in scalars.items():
+            if "dtype" in spec:
+                value = torch.tensor(spec["value"], dtype=dtype_of(spec["dtype"]))
+                state[key] = value.reshape(spec["shape"]).to(master.device)
+            else:
+                state[key] = spec["value"]
+    pending = []
+    for unit, master in zip(engine.units, engine.optimizer.masters, strict=True):
+        if engine.optimizer.mixed:
+            unit.param_shard.copy_(master.detach())
+        if engine.policy.gathers_params and not unit.partitioned:
+            pending.append(engine.comm.all_gather(unit.flat, "load"))
+    if engine.gatherer is not None:
+        pending += engine.gatherer.refresh_persistent()
+    comm.wait_all(pending)
+    counters = plan.manifest["engine"]
+    engine.global_steps = counters["global_steps"]
+    engine.applied_steps = counters["applied_steps"]
+    if engine.scaler is not None and counters.get("loss_scaler"):
+        engine.scaler.load_state_dict(counters["loss_scaler"])
+    engine.reducer.zero_grads()
+    rng = plan.manifest.get("rng", [])
+    if engine.dp_rank < len(rng):
+        _restore_rng(rng[engine.dp_rank])
+
+
+def _bytes(encoded: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.uint8)
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_bytes(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_bytes(s) for s in state["cuda"]])

@@ -1,0 +1,66 @@
+"""The manifest: what a checkpoint holds and where, written last as its commit point.
+
+A checkpoint directory is complete exactly when ``manifest.json`` exists: ranks write
+their files first (each atomically), rank 0 writes the manifest after every rank
+has reported. A crash at any moment before that leaves a directory without a
+manifest, which readers skip.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .files import CheckpointError, atomic_write_bytes
+
+FORMAT = "zeroservice-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """Load and check a manifest; errors name the file and the problem."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing: the checkpoint is incomplete (never committed)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a zeroservice checkpoint manifest")
+    version = manifest.get("version")
+    if version != VERSION:
+        raise CheckpointError(
+            f"{path}: format version {version!r} is not supported (this build reads {VERSION})"
+        )
+    for key in ("step", "world_size", "stage", "precision", "params", "segments", "files"):
+        if key not in manifest:
+            raise CheckpointError(f"{path}: lacks the field {key!r}")
+    return manifest
+
+
+def candidates(root: str | Path) -> list[Path]:
+    """Checkpoint directories under ``root``, newest step first (complete or not)."""
+    root = Path(root)
+    if (root / MANIFEST).is_file():
+        return [root]
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory")
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return [p for _, p in sorted(found, reverse=True)]

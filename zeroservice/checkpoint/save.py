@@ -1,0 +1,208 @@
+"""Sharded save: every rank writes only what it owns; rank 0 commits with the manifest.
+
+Stage 0 keeps whole masters on every rank, so only rank 0 writes them; at stages 1-3
+each rank writes its shards. Nothing is written twice. Parameters in the training
+dtype are not saved: they are the masters, cast.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .files import CheckpointError, fsync_dir, write_segment
+from .layout import held_pieces
+from .manifest import FORMAT, MANIFEST, VERSION, candidates, step_dir_name, write_manifest
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+def per_element_kinds(engine: Engine) -> tuple[list[str], dict[str, Any]]:
+    """Optimizer state keys that are shard-sized (saved per element), and the scalars."""
+    opt = engine.optimizer.optimizer
+    first = opt.state.get(engine.optimizer.masters[0], {})
+    kinds, scalars = [], {}
+    for key, value in first.items():
+        master = engine.optimizer.masters[0]
+        if isinstance(value, torch.Tensor) and value.numel() == master.numel() > 1:
+            kinds.append(key)
+        elif isinstance(value, torch.Tensor):
+            scalars[key] = {
+                "value": value.item(),
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape),
+            }
+        else:
+            scalars[key] = {"value": value}
+    return kinds, scalars
+
+
+def _state_tensor(engine: Engine, unit_index: int, kind: str) -> torch.Tensor:
+    master = engine.optimizer.masters[unit_index]
+    if kind == "master":
+        return master.detach()
+    return engine.optimizer.optimizer.state[master][kind]
+
+
+def write_rank_file(path: Path, engine: Engine, kinds: list[str]) -> list[dict[str, Any]]:
+    """This rank's pieces of every kind, one segment each; atomic (tmp, fsync, rename)."""
+    whole = engine.policy.shard_world == 1
+    segments: list[dict[str, Any]] = []
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if not whole or engine.dp_rank == 0:
+            for piece in held_pieces(engine.units, whole):
+                for kind in ["master", *kinds]:
+                    data = _state_tensor(engine, piece.unit.index, kind)
+                    n = piece.end - piece.start
+                    seg = write_segment(f, data[piece.local : piece.local + n])
+                    seg |= {"param": piece.slot.names[0], "kind": kind}
+                    segments.append(seg | {"start": piece.start, "end": piece.end})
+        if engine.dp_rank == 0:
+            for name, buffer in persistent_buffers(engine.module):
+                seg = write_segment(f, buffer)
+                segments.append(seg | {"param": name, "kind": "buffer", "start": 0})
+                segments[-1]["end"] = buffer.numel()
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for seg in segments:
+        seg["file"] = path.name
+    return segments
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, buffer in module.named_buffers():
+        owner, _, local = name.rpartition(".")
+        if local not in module.get_submodule(owner)._non_persistent_buffers_set:
+            out.append((name, buffer))
+    return out
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators, as plain JSON (nothing executable on load)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return {
+        "torch": _b64(torch.get_rng_state()),
+        "cuda": [_b64(t) for t in cuda],
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, np.asarray(keys).tolist(), pos, has_gauss, cached],
+    }
+
+
+def _params(engine: Engine) -> list[dict[str, Any]]:
+    return [
+        {"name": s.names[0], "names": s.names, "shape": list(s.shape), "numel": s.numel}
+        for u in engine.units
+        for s in u.slots
+    ]
+
+
+def save_checkpoint(
+    engine: Engine, root: str | Path, client_state: dict[str, Any] | None = None, keep: int = 3
+) -> Path:
+    """Write a checkpoint of ``engine`` under ``root`` (every rank calls this)."""
+    if engine.micro_steps:
+        raise CheckpointError(
+            f"save: {engine.micro_steps} micro-batch(es) accumulated since the last step; "
+            "save after engine.step() completes an optimizer step"
+        )
+    if keep < 1:
+        raise CheckpointError(f"keep: must be >= 1, got {keep}")
+    directory = Path(root) / step_dir_name(engine.global_steps)
+    group, rank = engine.group, engine.dp_rank
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step: un-commit first
+        fsync_dir(directory)
+    dist.barrier(group=group)
+    kinds, scalars = per_element_kinds(engine)
+    name = f"rank-{rank:05d}.bin"
+    segments = write_rank_file(directory / name, engine, kinds)
+    report = {
+        "file": name,
+        "bytes": (directory / name).stat().st_size,
+        "segments": segments,
+        "rng": rng_state(),
+    }
+    reports: list[Any] = [None] * engine.dp_world
+    dist.all_gather_object(reports, report, group=group)
+    if rank == 0:
+        write_manifest(directory, _manifest(engine, kinds, scalars, reports, client_state))
+        prune(Path(root), keep)
+    dist.barrier(group=group)
+    return directory
+
+
+def _manifest(engine: Engine, kinds, scalars, reports, client_state) -> dict[str, Any]:
+    opt = engine.optimizer.optimizer
+    groups = [
+        {k: v for k, v in g.items() if k != "params" and isinstance(v, int | float | bool | tuple)}
+        for g in opt.param_groups
+    ]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "step": engine.global_steps,
+        "world_size": engine.dp_world,
+        "dp": engine.dp_world,
+        "mp": 1,
+        "stage": engine.config.stage,
+        "precision": engine.config.precision,
+        "psi": engine.psi,
+        "params": _params(engine),
+        "buffers": [
+            {
+                "name": n,
+                "dtype": str(b.dtype).removeprefix("torch."),
+                "shape": list(b.shape),
+                "numel": b.numel(),
+            }
+            for n, b in persistent_buffers(engine.module)
+        ],
+        "kinds": ["master", *kinds],
+        "optimizer": {"class": type(opt).__name__, "scalars": scalars, "param_groups": groups},
+        "engine": {
+            "global_steps": engine.global_steps,
+            "applied_steps": engine.applied_steps,
+            "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
+        },
+        "files": {r["file"]: r["bytes"] for r in reports},
+        "segments": [seg for r in reports for seg in r["segments"]],
+        "rng": [r["rng"] for r in reports],
+        "client_state": client_state or {},
+    }
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` complete checkpoints; drop older ones and older leftovers
+    of interrupted saves."""
+    removed, complete = [], 0
+    for path in candidates(root):
+        if (path / MANIFEST).is_file():
+            complete += 1
+            if complete <= keep:
+                continue
+        elif complete == 0:
+            continue  # newer than every complete checkpoint: perhaps being written
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
