@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from .partition import build_groups
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
 from .schedule import lr_factor
 from .stages import policy_for
+
+if TYPE_CHECKING:
+    from .checkpoint.background import SaveHandle
 
 
 class Phase(enum.Enum):
@@ -165,6 +169,8 @@ class Engine:
         self.applied_steps = 0
         """Optimizer steps applied; drives the learning-rate schedule."""
         self.last_report: StepReport | None = None
+        self._saves = 0
+        self._pending_save: SaveHandle | None = None
 
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -271,13 +277,35 @@ class Engine:
         return self.ledger
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save_checkpoint(self, root, client_state: dict | None = None, keep: int = 3):
+    def save_checkpoint(
+        self, root, client_state: dict | None = None, keep: int = 3, background: bool = False
+    ):
         """Every rank writes what it owns under ``root``/step-N; keeps the newest ``keep``.
 
-        ``client_state`` (JSON: e.g. the data position) comes back from the load."""
+        ``client_state`` (JSON: e.g. the data position) comes back from the load. With
+        ``background`` the state is copied to host memory and written by a thread:
+        returns a SaveHandle (``wait()``); otherwise the committed directory. A save
+        first waits for the previous background save."""
         from .checkpoint import save_checkpoint
+        from .checkpoint.background import save_in_background
 
+        self.wait_for_save()
+        self._saves += 1
+        if background:
+            self._pending_save = save_in_background(self, root, client_state, keep, self._saves)
+            return self._pending_save
         return save_checkpoint(self, root, client_state, keep)
+
+    def wait_for_save(self):
+        """Block until the last background save is committed (collective: every rank
+        calls it, as every rank started the save)."""
+        handle, self._pending_save = self._pending_save, None
+        if handle is None:
+            return None
+        try:
+            return handle.wait()
+        finally:
+            dist.barrier(group=self.group)  # rank 0 returns only after the manifest
 
     def load_checkpoint(self, path):
         """Load a checkpoint directory, or the newest valid one under a root, at this
@@ -314,6 +342,7 @@ class Engine:
 
         At stages 0-2 the module stays usable with the trained weights; at stage 3 its
         parameters are empty placeholders (take ``state_dict()`` first)."""
+        self.wait_for_save()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.close()

@@ -24,13 +24,16 @@ def _train(engine, spec: Spec, steps: range) -> list[float]:
     return losses
 
 
-def exact_resume(spec: Spec, root: str, split: int) -> dict:
+def exact_resume(spec: Spec, root: str, split: int, background: bool = False) -> dict:
     """Uninterrupted losses, and the losses of a run saved at ``split`` and resumed by a
-    fresh engine built from other initial weights."""
+    fresh engine built from other initial weights. ``background``: the save is written
+    while the first engine trains on (its snapshot must not see those steps)."""
     straight = _train(engine_for(spec), spec, range(spec.steps))
     first = engine_for(spec)
     before = _train(first, spec, range(split))
-    first.save_checkpoint(root, client_state={"next_step": split})
+    first.save_checkpoint(root, client_state={"next_step": split}, background=background)
+    if background:
+        _train(first, spec, range(split, split + 2))
     first.close()
     torch.manual_seed(999)  # the resumed engine starts elsewhere: only the load may fix it
     second = engine_for(spec)
@@ -49,7 +52,14 @@ def train_and_save(spec: Spec, root: str, steps: int, keep: int = 3) -> list[flo
     return losses
 
 
-def save_every(spec: Spec, root: str, steps: int, keep: int, die_at: int | None = None) -> None:
+def save_every(
+    spec: Spec,
+    root: str,
+    steps: int,
+    keep: int,
+    die_at: int | None = None,
+    background: bool = False,
+) -> None:
     """Save after every step; with ``die_at``, rank 1 exits inside that step's save, after
     rank 0's file and before its own."""
     engine = engine_for(spec)
@@ -64,7 +74,10 @@ def save_every(spec: Spec, root: str, steps: int, keep: int, die_at: int | None 
         save.write_rank_file = dying
     for step in range(steps):
         _train(engine, spec, range(step, step + 1))
-        engine.save_checkpoint(root, client_state={"next_step": step + 1}, keep=keep)
+        engine.save_checkpoint(
+            root, client_state={"next_step": step + 1}, keep=keep, background=background
+        )
+    engine.wait_for_save()
 
 
 def load_and_continue(spec: Spec, path: str, steps: int, resave: str | None = None) -> dict:

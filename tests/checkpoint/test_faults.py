@@ -29,8 +29,9 @@ def _try(path) -> str:
     return run_local(sc.try_load, 2, SPEC, str(path))[0]
 
 
-def test_retention_keeps_the_newest_n(tmp_path):
-    run_local(sc.save_every, 2, SPEC, str(tmp_path), 4, 2)
+@pytest.mark.parametrize("background", [False, True])
+def test_retention_keeps_the_newest_n(tmp_path, background):
+    run_local(sc.save_every, 2, SPEC, str(tmp_path), 4, 2, None, background)
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["step-00000003", "step-00000004"]
 
 

@@ -20,6 +20,14 @@ def test_exact_resume_at_the_same_world_size(tmp_path, stage):
     assert r["resumed"] == r["straight"]  # fp32: bit for bit
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_background_save_resumes_exactly(tmp_path, stage):
+    spec = Spec(stage=stage, steps=6)
+    r = run_local(sc.exact_resume, 2, spec, str(tmp_path), 3, True)[0]
+    assert r["resumed"] == r["straight"]
+    assert not list(tmp_path.glob("*/*.json.tmp")) and not list(tmp_path.glob("*/*report*"))
+
+
 def test_exact_resume_with_accumulation_and_bf16(tmp_path):
     spec = Spec(stage=3, steps=5, accum=2, precision="bf16", clip=0.05)
     r = run_local(sc.exact_resume, 2, spec, str(tmp_path), 2)[0]

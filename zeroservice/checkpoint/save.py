@@ -54,31 +54,51 @@ def _state_tensor(engine: Engine, unit_index: int, kind: str) -> torch.Tensor:
     return engine.optimizer.optimizer.state[master][kind]
 
 
-def write_rank_file(path: Path, engine: Engine, kinds: list[str]) -> list[dict[str, Any]]:
-    """This rank's pieces of every kind, one segment each; atomic (tmp, fsync, rename)."""
+Item = tuple[dict[str, Any], torch.Tensor]
+"""A segment's description and its data."""
+
+
+def snapshot_items(engine: Engine, kinds: list[str], copy: bool) -> list[Item]:
+    """What this rank writes: its pieces of every kind (and rank 0: the buffers).
+
+    ``copy``: host copies that training may not touch (for a background write)."""
     whole = engine.policy.shard_world == 1
+    items: list[Item] = []
+
+    def add(meta: dict[str, Any], data: torch.Tensor) -> None:
+        items.append((meta, data.detach().to("cpu", copy=True) if copy else data.detach()))
+
+    if not whole or engine.dp_rank == 0:
+        for piece in held_pieces(engine.units, whole):
+            for kind in ["master", *kinds]:
+                data = _state_tensor(engine, piece.unit.index, kind)
+                meta = {"param": piece.slot.names[0], "kind": kind}
+                n = piece.end - piece.start
+                add(
+                    meta | {"start": piece.start, "end": piece.end},
+                    data[piece.local : piece.local + n],
+                )
+    if engine.dp_rank == 0:
+        for name, buffer in persistent_buffers(engine.module):
+            add({"param": name, "kind": "buffer", "start": 0, "end": buffer.numel()}, buffer)
+    return items
+
+
+def write_items(path: Path, items: list[Item]) -> list[dict[str, Any]]:
+    """One rank file, atomically (tmp, fsync, rename); returns its segments."""
     segments: list[dict[str, Any]] = []
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        if not whole or engine.dp_rank == 0:
-            for piece in held_pieces(engine.units, whole):
-                for kind in ["master", *kinds]:
-                    data = _state_tensor(engine, piece.unit.index, kind)
-                    n = piece.end - piece.start
-                    seg = write_segment(f, data[piece.local : piece.local + n])
-                    seg |= {"param": piece.slot.names[0], "kind": kind}
-                    segments.append(seg | {"start": piece.start, "end": piece.end})
-        if engine.dp_rank == 0:
-            for name, buffer in persistent_buffers(engine.module):
-                seg = write_segment(f, buffer)
-                segments.append(seg | {"param": name, "kind": "buffer", "start": 0})
-                segments[-1]["end"] = buffer.numel()
+        for meta, data in items:
+            segments.append(write_segment(f, data) | meta | {"file": path.name})
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    for seg in segments:
-        seg["file"] = path.name
     return segments
+
+
+def write_rank_file(path: Path, engine: Engine, kinds: list[str]) -> list[dict[str, Any]]:
+    return write_items(path, snapshot_items(engine, kinds, copy=False))
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -115,10 +135,7 @@ def _params(engine: Engine) -> list[dict[str, Any]]:
     ]
 
 
-def save_checkpoint(
-    engine: Engine, root: str | Path, client_state: dict[str, Any] | None = None, keep: int = 3
-) -> Path:
-    """Write a checkpoint of ``engine`` under ``root`` (every rank calls this)."""
+def check_savable(engine: Engine, keep: int) -> None:
     if engine.micro_steps:
         raise CheckpointError(
             f"save: {engine.micro_steps} micro-batch(es) accumulated since the last step; "
@@ -126,6 +143,13 @@ def save_checkpoint(
         )
     if keep < 1:
         raise CheckpointError(f"keep: must be >= 1, got {keep}")
+
+
+def save_checkpoint(
+    engine: Engine, root: str | Path, client_state: dict[str, Any] | None = None, keep: int = 3
+) -> Path:
+    """Write a checkpoint of ``engine`` under ``root`` (every rank calls this)."""
+    check_savable(engine, keep)
     directory = Path(root) / step_dir_name(engine.global_steps)
     group, rank = engine.group, engine.dp_rank
     if rank == 0:
@@ -145,13 +169,23 @@ def save_checkpoint(
     reports: list[Any] = [None] * engine.dp_world
     dist.all_gather_object(reports, report, group=group)
     if rank == 0:
-        write_manifest(directory, _manifest(engine, kinds, scalars, reports, client_state))
+        header = manifest_header(engine, kinds, scalars, client_state)
+        write_manifest(directory, assemble(header, reports))
         prune(Path(root), keep)
     dist.barrier(group=group)
     return directory
 
 
-def _manifest(engine: Engine, kinds, scalars, reports, client_state) -> dict[str, Any]:
+def assemble(header: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest: the engine's description plus what every rank wrote."""
+    return header | {
+        "files": {r["file"]: r["bytes"] for r in reports},
+        "segments": [seg for r in reports for seg in r["segments"]],
+        "rng": [r["rng"] for r in reports],
+    }
+
+
+def manifest_header(engine: Engine, kinds, scalars, client_state) -> dict[str, Any]:
     opt = engine.optimizer.optimizer
     groups = [
         {k: v for k, v in g.items() if k != "params" and isinstance(v, int | float | bool | tuple)}
@@ -185,9 +219,6 @@ def _manifest(engine: Engine, kinds, scalars, reports, client_state) -> dict[str
             "applied_steps": engine.applied_steps,
             "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
         },
-        "files": {r["file"]: r["bytes"] for r in reports},
-        "segments": [seg for r in reports for seg in r["segments"]],
-        "rng": [r["rng"] for r in reports],
         "client_state": client_state or {},
     }
 
