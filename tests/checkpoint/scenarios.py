@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from tests.engine.scenarios import Spec, _batches, _mean_over_ranks, engine_for
+from zeroservice import deferred_init as zeroservice_deferred
+from zeroservice import initialize as zeroservice_initialize
 from zeroservice.checkpoint import CheckpointError, save
 
 
@@ -122,3 +124,39 @@ def save_mid_accumulation(root: str) -> str:
     except CheckpointError as exc:
         return str(exc)
     return "saved"
+
+
+MEDIUM = dict(vocab_size=8192, seq_len=64, n_layer=12, n_head=8, dim=512)
+
+
+def save_medium(root: str) -> int:
+    """A 42M-parameter GPT built into shards and saved (no step: masters only)."""
+    from zeroservice.config import ZeroConfig
+    from zeroservice.models import GPT, GPTConfig
+
+    cfg = GPTConfig(**MEDIUM)
+    with zeroservice_deferred():
+        model = GPT(cfg)
+    engine = zeroservice_initialize(
+        model, ZeroConfig(stage=3), lambda ps: torch.optim.AdamW(ps), init=GPT.initializer(cfg)
+    )
+    engine.save_checkpoint(root)
+    return cfg.num_params()
+
+
+def export_peak(directory: str, out: str) -> int:
+    """Peak resident bytes added while exporting (this process does nothing else)."""
+    from pathlib import Path
+
+    from zeroservice.checkpoint import export_checkpoint
+
+    def kib(field: str) -> int:
+        line = next(
+            x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field)
+        )
+        return int(line.split()[1])
+
+    Path("/proc/self/clear_refs").write_text("5")
+    base = kib("VmRSS")
+    export_checkpoint(directory, out)
+    return (kib("VmHWM") - base) * 1024

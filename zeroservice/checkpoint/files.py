@@ -104,8 +104,8 @@ class SegmentReader:
         block_hi = min(seg["bytes"], (last + 1) * BLOCK_BYTES)
         f = self._file(seg["file"])
         f.seek(seg["offset"] + block_lo)
-        data = f.read(block_hi - block_lo)
-        if len(data) != block_hi - block_lo:
+        data = bytearray(block_hi - block_lo)
+        if f.readinto(data) != len(data):
             raise CheckpointError(f"{self.directory / seg['file']}: ends early, inside {what}")
         view = memoryview(data)
         for i, block in enumerate(range(first, last + 1)):
@@ -115,7 +115,8 @@ class SegmentReader:
                     f"{self.directory / seg['file']}: checksum mismatch in {what} "
                     f"(block {block} at byte {seg['offset'] + block * BLOCK_BYTES})"
                 )
-        raw = torch.frombuffer(bytearray(view[lo - block_lo : hi - block_lo]), dtype=torch.uint8)
+        # A view of the read buffer, no second copy (the tensor keeps the buffer alive).
+        raw = torch.frombuffer(data, dtype=torch.uint8, offset=lo - block_lo, count=hi - lo)
         return raw.view(dtype)
 
     def close(self) -> None:
