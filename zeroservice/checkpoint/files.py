@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from io import BufferedReader
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -76,7 +77,7 @@ class SegmentReader:
     def __init__(self, directory: Path, files: dict[str, int]):
         self.directory = directory
         self.expected_sizes = files
-        self._open: dict[str, BinaryIO] = {}
+        self._open: dict[str, BufferedReader] = {}
 
     def check_files(self, names: set[str]) -> None:
         for name in sorted(names):
@@ -89,7 +90,7 @@ class SegmentReader:
                     f"{path}: truncated or altered: {size} bytes, manifest says {want}"
                 )
 
-    def _file(self, name: str) -> BinaryIO:
+    def _file(self, name: str) -> BufferedReader:
         if name not in self._open:
             self._open[name] = open(self.directory / name, "rb")  # noqa: SIM115 (closed in close())
         return self._open[name]
