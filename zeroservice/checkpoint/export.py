@@ -60,7 +60,7 @@ def _assemble(
     out = torch.empty(numel, dtype=dtype_of(segs[0]["dtype"]))
     covered = 0
     for seg in segs:
-        out[seg["start"] : seg["end"]] = reader.read(seg, 0, seg["end"] - seg["start"], name)
+        reader.read(seg, 0, seg["end"] - seg["start"], name, out=out[seg["start"] : seg["end"]])
         covered += seg["end"] - seg["start"]
     if covered != numel:
         raise CheckpointError(f"{reader.directory}: {kind} of {name} covers {covered}/{numel}")

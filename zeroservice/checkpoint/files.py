@@ -95,20 +95,35 @@ class SegmentReader:
             self._open[name] = open(self.directory / name, "rb")  # noqa: SIM115 (closed in close())
         return self._open[name]
 
-    def read(self, seg: dict[str, Any], start: int, end: int, what: str) -> torch.Tensor:
-        """Elements [start, end) of the segment (segment-relative), checksummed."""
+    def read(
+        self,
+        seg: dict[str, Any],
+        start: int,
+        end: int,
+        what: str,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Elements [start, end) of the segment (segment-relative), checksummed.
+
+        ``out`` (CPU, contiguous, the segment's dtype): read the whole segment straight
+        into it, with no staging copy."""
         dtype = dtype_of(seg["dtype"])
         size = torch.empty((), dtype=dtype).element_size()
         lo, hi = start * size, end * size
         first, last = lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES
         block_lo = first * BLOCK_BYTES
         block_hi = min(seg["bytes"], (last + 1) * BLOCK_BYTES)
+        whole = out is not None and lo == 0 and hi == seg["bytes"] and out.dtype == dtype
+        staging = bytearray(0 if whole else block_hi - block_lo)
+        if whole:
+            assert out is not None
+            view = out.reshape(-1).view(torch.uint8).numpy().data
+        else:
+            view = memoryview(staging)
         f = self._file(seg["file"])
         f.seek(seg["offset"] + block_lo)
-        data = bytearray(block_hi - block_lo)
-        if f.readinto(data) != len(data):
+        if f.readinto(view) != len(view):
             raise CheckpointError(f"{self.directory / seg['file']}: ends early, inside {what}")
-        view = memoryview(data)
         for i, block in enumerate(range(first, last + 1)):
             piece = view[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]
             if zlib.crc32(piece) != seg["crc32"][block]:
@@ -116,9 +131,16 @@ class SegmentReader:
                     f"{self.directory / seg['file']}: checksum mismatch in {what} "
                     f"(block {block} at byte {seg['offset'] + block * BLOCK_BYTES})"
                 )
+        if whole:
+            assert out is not None
+            return out
         # A view of the read buffer, no second copy (the tensor keeps the buffer alive).
-        raw = torch.frombuffer(data, dtype=torch.uint8, offset=lo - block_lo, count=hi - lo)
-        return raw.view(dtype)
+        raw = torch.frombuffer(staging, dtype=torch.uint8, offset=lo - block_lo, count=hi - lo)
+        result = raw.view(dtype)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
 
     def close(self) -> None:
         for f in self._open.values():
