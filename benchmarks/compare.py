@@ -1,12 +1,15 @@
-"""Side-by-side: our ZeRO stages 0-2 against DDP, torch ZeRO-1, FSDP2 and DeepSpeed.
+"""Side-by-side: our ZeRO stages 0-3 against DDP, torch ZeRO-1, FSDP2 and DeepSpeed.
 
-Every system trains the same GPT on the same batches, world 2 on CPU/gloo, fp32 AdamW,
+Every system trains the same GPT on the same batches, world 2 (or --world) on CPU/gloo,
+fp32 AdamW,
 no clipping, one torch thread per rank. Systems run interleaved (A B C A B C ...),
 each run in fresh processes, and ratios are taken within a repeat, so that drift of a
 shared machine hits both sides of a ratio alike.
 
     python -m benchmarks.compare --model small --repeats 3 --steps 8 --paired-steps 20
     python -m benchmarks.compare --model large --repeats 2 --steps 4 --paired-steps 6
+    python -m benchmarks.compare --model large --systems zero3,fsdp2,deepspeed3,ddp \
+        --repeats 2 --steps 3 --warmup 1 --paired-steps 4 [--default-malloc] [--world 4]
 
 ``--paired-steps`` adds the most drift-proof ratio: ours and one peer built in the same
 ranks and stepped in rotation on the same batches.
@@ -28,8 +31,10 @@ from pathlib import Path
 from benchmarks.systems import MODELS, SYSTEMS, run_pair, run_system
 from zeroservice.launch import run_local
 
-PAPER_FP32_BYTES = {0: 16, 1: 8 + 8 / 2, 2: 4 + 12 / 2, 3: 16 / 2}
-"""Model-state bytes per parameter at N_d = 2 in fp32 with Adam, by stage."""
+
+def paper_fp32_bytes(stage: int, n_d: int) -> float:
+    """Model-state bytes per parameter in fp32 with Adam, by stage."""
+    return {0: 16, 1: 8 + 8 / n_d, 2: 4 + 12 / n_d, 3: 16 / n_d}[stage]
 
 
 def _available(names: list[str]) -> list[str]:
@@ -37,17 +42,27 @@ def _available(names: list[str]) -> list[str]:
     return [n for n in names if have_ds or not n.startswith("deepspeed")]
 
 
-def _one_run(name: str, args) -> dict:
-    ranks = run_local(run_system, 2, name, args.model, args.steps, args.warmup, timeout_s=3000)
+def _one_run(name: str, args) -> dict | None:
+    try:
+        ranks = run_local(
+            run_system, args.world, name, args.model, args.steps, args.warmup, timeout_s=3000
+        )
+    except RuntimeError as exc:  # a peer that does not run here is reported, not fatal
+        reason = str(exc).strip().splitlines()[-1]
+        print(f"{name}: failed, skipped: {reason}", file=sys.stderr, flush=True)
+        return None
     r0 = ranks[0]
     r0["median_s"] = statistics.median(r0["times"])
+    r0["peak_rss_mib_per_rank"] = [r["peak_rss_mib"] for r in ranks]
     r0["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ranks)
     return r0
 
 
-def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
+def _summary(runs: dict[str, list[dict]], world: int) -> dict[str, dict]:
     out = {}
     for name, rs in runs.items():
+        if not rs:
+            continue
         medians = [r["median_s"] for r in rs]
         first = rs[0]
         psi = first["psi"]
@@ -58,13 +73,16 @@ def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "tokens_per_s": first["tokens_per_step"] / statistics.median(medians),
             "model_state_bytes": first["model_state_bytes"],
             "bytes_per_param": first["model_state_bytes"] / psi,
-            "paper_bytes_per_param": PAPER_FP32_BYTES[SYSTEMS[name][0]],
+            "paper_bytes_per_param": paper_fp32_bytes(SYSTEMS[name][0], world),
             "comm_psi_per_step": (
                 None
                 if first["comm_elements_per_step"] is None
                 else first["comm_elements_per_step"] / psi
             ),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+            "peak_rss_mib_per_rank": [
+                max(col) for col in zip(*(r["peak_rss_mib_per_rank"] for r in rs), strict=True)
+            ],
             "final_loss": first["losses"][-1],
             "losses": first["losses"],
             "psi": psi,
@@ -75,12 +93,12 @@ def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
 def _ratios(runs: dict[str, list[dict]]) -> list[dict]:
     """Ours / each peer at the same stage, per repeat (interleaved pairs)."""
     out = []
-    for ours in ("zero0", "zero1", "zero2"):
-        if ours not in runs:
+    for ours in ("zero0", "zero1", "zero2", "zero3"):
+        if not runs.get(ours):
             continue
         stage = SYSTEMS[ours][0]
         for peer, (peer_stage, _) in SYSTEMS.items():
-            if peer.startswith("zero") or peer not in runs or peer_stage != stage:
+            if peer.startswith("zero") or not runs.get(peer) or peer_stage != stage:
                 continue
             per_repeat = [
                 a["median_s"] / b["median_s"] for a, b in zip(runs[ours], runs[peer], strict=True)
@@ -103,6 +121,8 @@ PAIRS = [
     ("zero1", "torch_zero1"),
     ("zero1", "deepspeed1"),
     ("zero2", "deepspeed2"),
+    ("zero3", "fsdp2"),
+    ("zero3", "deepspeed3"),
 ]
 
 
@@ -113,9 +133,20 @@ def _paired(names: list[str], args) -> list[dict]:
         if ours not in names or peer not in names:
             continue
         t0 = time.time()
-        r = run_local(
-            run_pair, 2, [ours, peer], args.model, args.paired_steps, args.warmup, timeout_s=3000
-        )[0]
+        try:
+            r = run_local(
+                run_pair,
+                args.world,
+                [ours, peer],
+                args.model,
+                args.paired_steps,
+                args.warmup,
+                timeout_s=3000,
+            )[0]
+        except RuntimeError as exc:
+            reason = str(exc).strip().splitlines()[-1]
+            print(f"paired {ours}/{peer}: failed, skipped: {reason}", file=sys.stderr)
+            continue
         ratios = sorted(a / b for a, b in zip(r["times"][ours], r["times"][peer], strict=True))
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         out.append(
@@ -156,9 +187,13 @@ def _print_paired(paired: list[dict]) -> None:
 
 def _print(summary: dict[str, dict], ratios: list[dict], args) -> None:
     psi = next(iter(summary.values()))["psi"]
-    print(f"\nGPT '{args.model}' ({psi / 1e6:.1f}M parameters), world 2, gloo, fp32 AdamW")
+    print(
+        f"\nGPT '{args.model}' ({psi / 1e6:.1f}M parameters), world {args.world}, gloo, "
+        f"fp32 AdamW, MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')}"
+    )
     print(f"{args.repeats} interleaved repeats x {args.steps} timed steps (+{args.warmup} warm-up)")
-    print("B/param: model-state bytes per parameter on rank 0, after the last backward\n")
+    print("B/param: model-state bytes per parameter on rank 0, after the last backward")
+    print("RSS MiB: peak resident size, the largest over ranks and repeats\n")
     head = (
         f"{'system':<12}{'stage':>6}{'step s':>9}{'spread':>15}{'tok/s':>9}"
         f"{'B/param':>9}{'paper':>7}{'comm Ψ':>8}{'RSS MiB':>9}{'loss':>9}"
@@ -188,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--world", type=int, default=2, help="ranks (processes)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated")
     parser.add_argument(
         "--default-malloc",
@@ -214,23 +250,28 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for name in names:
             t0 = time.time()
-            runs[name].append(_one_run(name, args))
+            result = _one_run(name, args)
+            if result is None:
+                continue
+            runs[name].append(result)
             print(
                 f"repeat {repeat + 1}/{args.repeats} {name:<12} "
-                f"median {runs[name][-1]['median_s']:.3f} s  ({time.time() - t0:.0f} s wall)",
+                f"median {result['median_s']:.3f} s  ({time.time() - t0:.0f} s wall)",
                 file=sys.stderr,
                 flush=True,
             )
     paired = _paired(names, args) if args.paired_steps else []
-    summary, ratios = _summary(runs), _ratios(runs)
+    summary, ratios = _summary(runs, args.world), _ratios(runs)
     _print(summary, ratios, args)
     if paired:
         _print_paired(paired)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"compare-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out / f"compare-{args.model}-w{args.world}-{stamp}.json"
     meta = {
         "model": args.model,
+        "world": args.world,
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": args.repeats,

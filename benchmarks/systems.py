@@ -1,4 +1,4 @@
-"""Each benchmarked system, set up inside a rank: ours (stages 0-2) and the peers.
+"""Each benchmarked system, set up inside a rank: ours (stages 0-3) and the peers.
 
 Every system trains the same GPT on the same batches with fp32 AdamW and no clipping,
 so their loss curves agree to 4-5 decimals (a correctness cross-check that the table
@@ -173,11 +173,13 @@ SYSTEMS: dict[str, tuple[int, Callable[[GPT], Trainer]]] = {
     "zero0": (0, ours(0)),
     "zero1": (1, ours(1)),
     "zero2": (2, ours(2)),
+    "zero3": (3, ours(3)),
     "ddp": (0, ddp),
     "torch_zero1": (1, torch_zero1),
     "fsdp2": (3, fsdp2),
     "deepspeed1": (1, deepspeed(1)),
     "deepspeed2": (2, deepspeed(2)),
+    "deepspeed3": (3, deepspeed(3)),
 }
 """name -> (ZeRO stage it is compared at, builder)."""
 

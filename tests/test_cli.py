@@ -18,7 +18,8 @@ def test_demo_trains_at_stage3_and_reports(tmp_path, capsys):
     out = tmp_path / "demo.json"
     assert main(["demo", "--steps", "4", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "ZeRO stage 3" in text and "(equal: True)" in text and "3.00 Ψ" in text
+    assert "ZeRO stage 3" in text and "(equal: True)" in text
+    assert "Ψ (paper: 3Ψ at stage 3)" in text
     result = json.loads(out.read_text())
     assert result["losses"][-1] < result["losses"][0]
 

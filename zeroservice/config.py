@@ -138,15 +138,18 @@ class ZeroConfig:
     instead of seven (the same update, to float rounding). An explicit choice is kept."""
     stage3_grouping: Grouping = "blocks"
     """Stage 3: which modules gather their parameters as one group. "blocks": every
-    item of an nn.ModuleList (the transformer blocks), the rest with the root module;
+    item of an nn.ModuleList (the transformer blocks) and each module beside the lists
+    (embeddings, head) unless it shares a parameter elsewhere (then: the root module);
     "size": the largest modules of at most ``bucket_elements`` parameters, so that
     gather buffers stay constant as the model grows. Models without a ModuleList fall
     back to "size"."""
-    stage3_prefetch_elements: int = 2**26
+    stage3_prefetch_elements: int = 2**25
     """Stage 3: budget of gathered (live) parameter elements, counting in-flight
     gathers; the next groups, in the recorded order, are gathered ahead of use only
     while they fit. The group in use is always gathered, so the peak is at most this
-    budget plus one group."""
+    budget plus one group. The default (32 Mi elements: 128 MiB in fp32, 64 MiB in
+    bf16) holds the root's parameters and a few blocks of models up to a few billion
+    parameters; raise it for wider models, lower it to save memory."""
     stage3_persistence_elements: int = 2**16
     """Stage 3: a unit of at most this many elements stays gathered between steps (one
     all-gather per step instead of two). At the default (64 Ki elements, 128 KiB in

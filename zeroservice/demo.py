@@ -135,5 +135,11 @@ def format_report(results: list[dict]) -> str:
     lines.append(
         f"  volume per step: {per_step:,.0f} elements = {per_step / m['psi_padded']:.2f} Ψ "
         f"(paper: {'3Ψ at stage 3' if m['stage'] == 3 else '2Ψ for stages 0-2'})"
+        + (
+            "\n  (below 3Ψ: small units stay gathered between steps, and units that "
+            "backward never reads are not gathered twice)"
+            if m["stage"] == 3
+            else ""
+        )
     )
     return "\n".join(lines)

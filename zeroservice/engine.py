@@ -23,7 +23,7 @@ from torch import nn
 from . import comm, construct
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units
-from .gather import ParamGatherer
+from .gather import BufferCache, ParamGatherer
 from .hooks import GradReducer
 from .memory import (
     MemoryLedger,
@@ -132,6 +132,12 @@ class Engine:
         if self.comm.ring is not None:
             largest_shard = max(u.shard_numel for u in self.units)
             self.comm.ring.reserve(largest_shard, grad_comm_dtype, self.units[0].flat.device)
+        cache = None
+        if self.policy.partitions_params:
+            # Gathered units and gradient staging share one set of reused buffers.
+            largest = max(u.padded_numel for u in self.units)
+            limit = max(config.stage3_prefetch_elements, 2 * largest)
+            cache = BufferCache(dtype, self.units[0].flat.device, limit)
         self.reducer = GradReducer(
             self.units,
             self.policy,
@@ -140,14 +146,17 @@ class Engine:
             communicator=self.comm,
             overlap=config.overlap_comm,
             param_hooks=not self.policy.partitions_params,
+            staging=cache if grad_comm_dtype == dtype else None,
         )
         if self.policy.partitions_params:
+            assert cache is not None
             self.gatherer = ParamGatherer(
                 module,
                 [(g.module, idx) for g, idx in zip(groups, unit_groups, strict=True)],
                 self.units,
                 self.comm,
                 self.reducer,
+                cache,
                 prefetch_elements=config.stage3_prefetch_elements,
                 persistence_elements=config.stage3_persistence_elements,
             )

@@ -106,16 +106,23 @@ class BufferCache:
     Gathering allocates and frees the same few sizes over and over; through malloc,
     glibc keeps such freed blocks in its heap, so the process grows well past what it
     uses (ZeRO-R's fragmentation, on the host). Reusing the buffers keeps the resident
-    size at the gathered peak. A buffer still referenced by a view (a user kept a
-    weight) is never reused, only dropped; the cache holds at most ``limit`` elements.
+    size at the gathered peak. Gradient staging at stage 3 borrows from the same cache
+    (the sizes are the units' sizes again). A buffer still referenced by a view (a
+    user kept a weight) is never reused, only dropped. Idle plus lent buffers stay
+    within the most ever lent at once (capped by ``limit``): the cache never raises
+    the high-water mark, it only keeps what the last peak will need again.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, limit: int):
         self.dtype, self.device, self.limit = dtype, device, limit
         self._free: dict[int, list[torch.Tensor]] = {}
         self.idle_elements = 0
+        self.lent_elements = 0
+        self.peak_lent_elements = 0
 
     def take(self, numel: int) -> torch.Tensor:
+        self.lent_elements += numel
+        self.peak_lent_elements = max(self.peak_lent_elements, self.lent_elements)
         free = self._free.get(numel)
         if free:
             self.idle_elements -= numel
@@ -124,11 +131,15 @@ class BufferCache:
 
     def give(self, buffer: torch.Tensor) -> None:
         numel = buffer.numel()
-        if self.idle_elements + numel <= self.limit and _sole_owner(buffer):
+        self.lent_elements -= numel
+        cap = min(self.limit, self.peak_lent_elements)
+        room = cap - self.lent_elements - self.idle_elements
+        if numel <= room and _sole_owner(buffer):
             self._free.setdefault(numel, []).append(buffer)
             self.idle_elements += numel
 
     def clear(self) -> None:
+        """Drop the idle buffers (at the end of a pass: reuse is within a pass)."""
         self._free.clear()
         self.idle_elements = 0
 
@@ -160,6 +171,7 @@ class ParamGatherer:
         units: list[FlatUnit],
         communicator: comm.Communicator,
         reducer: GradReducer,
+        cache: BufferCache,
         prefetch_elements: int,
         persistence_elements: int,
     ):
@@ -168,10 +180,7 @@ class ParamGatherer:
         self.dtype = units[0].flat.dtype
         self.element_size = units[0].flat.element_size()
         self.persistent = {u.index for u in units if u.padded_numel <= persistence_elements}
-        largest = max(u.padded_numel for u in units)
-        self.cache = BufferCache(
-            self.dtype, units[0].flat.device, limit=max(prefetch_elements, 2 * largest)
-        )
+        self.cache = cache
         self._anchor = torch.empty(0, requires_grad=True)
         self._live: dict[int, _Live] = {}
         self._by_storage: dict[int, int] = {}
@@ -251,6 +260,7 @@ class ParamGatherer:
         if is_root and not self._windows:
             self._views.clear()
             self._release_all()
+            self.cache.clear()  # idle buffers would sit beside the activations' peak
             self._end_pass("forward")
             for index in self.persistent:
                 self._check_unmodified(index, self._live[index])
@@ -295,17 +305,21 @@ class ParamGatherer:
                 "call engine.backward(loss) instead of loss.backward()"
             )
         unit = self.units[index]
+        self._fired[index] += 1
+        last = self._fired[index] >= self._expected[index]
+        if last:
+            # Released first, so the staging buffer below reuses its memory.
+            self._release(index)
         for slot, grad in enumerate(grads):
             if grad is not None:
                 self.reducer.stage_grad(unit, slot, grad)
-        self._fired[index] += 1
-        if self._fired[index] >= self._expected[index]:
+        if last:
             self.reducer.launch_now(unit)
-            self._release(index)
 
     def end_backward(self) -> None:
         """After the reducer finished: drop what backward gathered, reset the node counts."""
         self._release_all()
+        self.cache.clear()
         self._expected = [0] * len(self.units)
         self._fired = [0] * len(self.units)
         self._end_pass("backward")

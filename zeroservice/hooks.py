@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -64,6 +65,14 @@ class BufferPool:
             self._free.append(buffer)
 
 
+class BufferSource(Protocol):
+    """Somewhere to borrow a unit-sized staging buffer from (stage 3: the gather cache)."""
+
+    def take(self, numel: int) -> torch.Tensor: ...
+
+    def give(self, buffer: torch.Tensor) -> None: ...
+
+
 @dataclass
 class _InFlight:
     pending: comm.Pending
@@ -84,6 +93,7 @@ class GradReducer:
         communicator: comm.Communicator,
         overlap: bool,
         param_hooks: bool = True,
+        staging: BufferSource | None = None,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
         self.overlap = overlap
@@ -100,7 +110,8 @@ class GradReducer:
                 torch.zeros(u.shard_numel, dtype=grad_dtype, device=device) for u in units
             ]
         self._cast = comm_dtype != grad_dtype
-        need_staging = (not policy.keep_full_grads) or self._cast
+        self.external = staging
+        need_staging = ((not policy.keep_full_grads) or self._cast) and staging is None
         staging_numel = max(u.padded_numel for u in units) if need_staging else 0
         self.pool = BufferPool(2, staging_numel, comm_dtype, device)
         self._active = False
@@ -181,7 +192,7 @@ class GradReducer:
     def stage_grad(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Copy one gradient into the unit's staging buffer (added if already staged)."""
         if unit.index not in self._staged:
-            self._staged[unit.index] = self._acquire()
+            self._staged[unit.index] = self._acquire(unit)
         staging = self._staged[unit.index][0]
         slot = unit.slots[slot_index]
         target = staging[slot.offset : slot.offset + slot.numel]
@@ -213,7 +224,9 @@ class GradReducer:
             self._first_micro = False
 
     # -- internals ------------------------------------------------------------------
-    def _acquire(self) -> tuple[torch.Tensor, bool]:
+    def _acquire(self, unit: FlatUnit) -> tuple[torch.Tensor, bool]:
+        if self.external is not None:
+            return self.external.take(unit.padded_numel), False
         while True:
             buffers = self.pool.try_acquire()
             if buffers is not None:
@@ -233,7 +246,7 @@ class GradReducer:
         """The unit-sized tensor to reduce, and the pool buffer it occupies."""
         if not self.policy.keep_full_grads:
             if unit.index not in self._staged:
-                self._staged[unit.index] = self._acquire()
+                self._staged[unit.index] = self._acquire(unit)
             buffer, temporary = self._staged.pop(unit.index)
             staging = buffer[: unit.padded_numel]
             filled = self._filled[unit.index]
@@ -246,7 +259,7 @@ class GradReducer:
         grads = self.full_grads[unit.index]
         if not self._cast:
             return grads, None, False
-        buffer, temporary = self._acquire()
+        buffer, temporary = self._acquire(unit)
         staging = buffer[: unit.padded_numel]
         staging.copy_(grads)
         return staging, buffer, temporary
@@ -280,5 +293,11 @@ class GradReducer:
         item = self._inflight.popleft()
         item.pending.wait()
         item.finish()
-        if item.buffer is not None:
-            self.pool.release(item.buffer, item.temporary)
+        buffer, temporary, item.buffer = item.buffer, item.temporary, None
+        del item  # drops the views of the buffer it holds, so the buffer can be reused
+        if buffer is None:
+            return
+        if self.external is not None:
+            self.external.give(buffer)
+        else:
+            self.pool.release(buffer, temporary)

@@ -35,9 +35,24 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+def _contains_list(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.ModuleList) for m in module.modules())
+
+
 def _block_modules(root: nn.Module) -> list[str]:
-    """Items of every nn.ModuleList that hold trainable parameters (outermost lists only)."""
+    """Items of every nn.ModuleList that hold trainable parameters (outermost lists only),
+    and the modules beside them (embeddings, final norm, head) unless they share a
+    parameter with a module elsewhere: those stay with the root, which serves both uses
+    from one gather."""
+    registered: dict[int, list[str]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        registered.setdefault(id(p), []).append(name)
     names: list[str] = []
+
+    def shared_outside(qual: str, module: nn.Module) -> bool:
+        return any(
+            not n.startswith(qual + ".") for p in module.parameters() for n in registered[id(p)]
+        )
 
     def visit(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
@@ -46,9 +61,13 @@ def _block_modules(root: nn.Module) -> list[str]:
                 names.extend(
                     f"{qual}.{i}" for i, item in enumerate(child) if _param_count(item) > 0
                 )
-            else:
+            elif _contains_list(child):
                 visit(f"{qual}.", child)
+            elif _param_count(child) > 0 and not shared_outside(qual, child):
+                names.append(qual)
 
+    if not _contains_list(root):
+        return []  # no blocks: group by size instead
     visit("", root)
     return names
 

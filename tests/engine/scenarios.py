@@ -43,7 +43,7 @@ class Spec:
     collectives: str = "auto"
     reduce_dtype: str = "param"
     fuse: bool = True
-    prefetch: int = 2**26
+    prefetch: int = 2**25
     persistence: int = 0
     grouping: str = "blocks"
 
@@ -182,11 +182,23 @@ def _group_elements(engine) -> list[int]:
     return [sum(engine.units[i].padded_numel for i in idx) for idx in engine.gatherer.groups]
 
 
-def _gather_counts(engine) -> dict[str, int]:
+def _gather_counts(engine) -> dict:
     g = engine.gatherer
     if g is None:
         return {}
-    return {"on_demand": g.on_demand_gathers, "prefetched": g.prefetched_gathers}
+    backward = set(g._orders["backward"].plan)
+    return {
+        "on_demand": g.on_demand_gathers,
+        "prefetched": g.prefetched_gathers,
+        "backward_elements": sum(engine.units[i].padded_numel for i in backward),
+        "not_regathered": sorted(
+            name
+            for u in engine.units
+            if u.index not in backward
+            for s in u.slots
+            for name in s.names
+        ),
+    }
 
 
 def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from tests.engine.scenarios import Spec, ledgers
+from tests.engine.scenarios import TINY, Spec, ledgers
 from zeroservice.launch import run_local
 from zeroservice.memory import expected_model_state_bytes
 
@@ -62,17 +62,23 @@ def test_communication_is_two_psi_per_step(world, stage, precision):
     ops = {(e["op"], e["tag"]): e for e in r["entries"]}
     units = len(r["units"])
     if stage == 3:
-        # Gathered for forward, again for backward; gradients reduce-scattered once.
-        assert r["volume"] == 3 * psi
-        assert ops[("all_gather", "params")]["payload_elements"] == 2 * psi
-        assert ops[("all_gather", "params")]["calls"] == 2 * units
+        # Gathered for forward, again for backward, gradients reduce-scattered once: 3Ψ,
+        # less the units backward never reads. Here that is the position embedding alone
+        # (a lookup's backward needs only the indices); it is its own group.
+        g = r["gathers"]
+        assert g["not_regathered"] == ["wpe.weight"]
+        wpe = TINY["seq_len"] * TINY["dim"]
+        assert g["backward_elements"] == psi - wpe
+        assert r["volume"] == 3 * psi - wpe
+        assert ops[("all_gather", "params")]["payload_elements"] == 2 * psi - wpe
+        assert ops[("all_gather", "params")]["calls"] == 2 * units - 1
         assert ops[("reduce_scatter", "grads")]["payload_elements"] == psi
         assert ops[("reduce_scatter", "grads")]["calls"] == units
         # Between steps nothing stays gathered (no unit is under the persistence threshold).
         assert r["memory"]["gathered_params"] == 0
         # The budget holds the whole tiny model: after the first step every gather but
         # the first of each pass (forward, backward) is issued ahead of use.
-        assert r["gathers"] == {"on_demand": 2, "prefetched": 2 * units - 2}
+        assert (g["on_demand"], g["prefetched"]) == (2, 2 * units - 3)
         return
     assert r["volume"] == 2 * psi
     if stage == 0:
