@@ -72,13 +72,20 @@ def trial(stage: int, n_layer: int) -> dict:
     }
 
 
+ENGINE = {"bucket_elements": 2**20, "stage3_prefetch_elements": 2**21}
+"""Buffers sized for a memory-bound run (1 Mi-element units and staging; stage 3 gathers
+ahead at most 2 Mi elements, about the root's parameters and one block), the same for
+every stage. The defaults (8 Mi-element units, a 32 Mi-element prefetch budget) suit
+models far larger than these."""
+
+
 def _train(stage: int, cfg: GPTConfig):
     """Build ``cfg`` into an engine (deferred) and train two full steps."""
     with zeroservice.deferred_init():
         model = GPT(cfg)
     engine = zeroservice.initialize(
         model,
-        {"stage": stage, "stage3_persistence_elements": 0},
+        {"stage": stage, "stage3_persistence_elements": 0, **ENGINE},
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
         init=GPT.initializer(cfg),
     )
@@ -196,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     path.write_text(
         json.dumps(
-            {"budget_mib": args.budget_mib, "width": WIDTH, "largest": rows, "trials": log},
+            {
+                "budget_mib": args.budget_mib,
+                "width": WIDTH,
+                "engine": ENGINE,
+                "largest": rows,
+                "trials": log,
+            },
             indent=2,
         )
     )
