@@ -96,6 +96,7 @@ def test_export_streams_one_parameter_at_a_time(tmp_path):
     out = tmp_path / "medium.safetensors"
     peak = run_local(sc.export_peak, 1, str(directory), str(out))[0]
     assert out.stat().st_size > 4 * psi  # every parameter, fp32 (tied names twice)
-    # The largest parameter (the 8192 x 512 embedding) is 16 MiB, the model 168 MB: the
-    # peak is a couple of parameters (one being read, one freed but kept by malloc).
-    assert peak < 0.25 * 4 * psi, (peak, 4 * psi)
+    # The largest parameter (the 8192 x 512 embedding) is 16 MiB, the model 168 MB. An
+    # export holding the model would need all of it; streaming keeps two or three of the
+    # largest parameters (one being read, the ones freed before it, kept by malloc).
+    assert peak < 4 * 16.8e6 and peak < 0.4 * 4 * psi, (peak, 4 * psi)
