@@ -226,6 +226,10 @@ class GradReducer:
     # -- internals ------------------------------------------------------------------
     def _acquire(self, unit: FlatUnit) -> tuple[torch.Tensor, bool]:
         if self.external is not None:
+            # Borrowed buffers come back only when their reduction completes: keep at most
+            # two in flight, as the pool would, or a backward would hold every gradient.
+            while len(self._inflight) >= 2:
+                self._complete_oldest()
             return self.external.take(unit.padded_numel), False
         while True:
             buffers = self.pool.try_acquire()
