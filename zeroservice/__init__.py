@@ -17,6 +17,7 @@ from .deepspeed_config import from_deepspeed
 from .engine import Engine, Phase, StepReport
 from .memory import MemoryLedger, expected_model_state_bytes
 from .optim import OptimizerFactory
+from .topology import Topology, TopologyError, build_topology
 
 __all__ = [
     "ConfigError",
@@ -26,7 +27,10 @@ __all__ = [
     "Phase",
     "ScheduleConfig",
     "StepReport",
+    "Topology",
+    "TopologyError",
     "ZeroConfig",
+    "build_topology",
     "deferred_init",
     "expected_model_state_bytes",
     "from_deepspeed",
@@ -40,8 +44,12 @@ def initialize(
     optimizer: OptimizerFactory | None = None,
     group=None,
     init: InitSource = None,
+    topology: Topology | None = None,
 ) -> Engine:
     """Wrap ``model`` in an engine over ``group`` (default: the whole world).
+
+    With model parallelism pass ``topology`` (``build_topology(mp)``): ZeRO then
+    partitions over its DP group and the gradient norm spans its MP group too.
 
     ``config`` may be a ZeroConfig or a dict of its fields. ``optimizer`` is a factory
     called with the engine's fp32 shard tensors. torch.distributed must already be
@@ -62,4 +70,9 @@ def initialize(
         raise ConfigError(
             "optimizer: pass a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4)"
         )
-    return Engine(model, config, optimizer, group, init)
+    mp_group = None
+    if topology is not None:
+        if group is not None:
+            raise ConfigError("group: pass either group or topology, not both")
+        group, mp_group = topology.dp_group, topology.mp_group
+    return Engine(model, config, optimizer, group, init, mp_group)

@@ -155,6 +155,21 @@ class ZeroConfig:
     all-gather per step instead of two). At the default (64 Ki elements, 128 KiB in
     bf16) a unit's gather is latency-bound, so keeping it costs little memory and
     saves two collective launches per step."""
+    activation_checkpointing: bool = False
+    """Checkpoint every item of every nn.ModuleList (the transformer blocks): forward
+    keeps only each block's input and backward recomputes the block."""
+    partition_activations: bool = False
+    """With activation checkpointing and model parallelism (P_a): each MP rank keeps
+    1/mp of a block's (replicated) input and all-gathers it before recomputation."""
+    cpu_offload_activations: bool = False
+    """With activation checkpointing (P_a+cpu): checkpoints live in host memory
+    (pinned on CUDA) and come back to the device for recomputation."""
+    contiguous_activations: bool = True
+    """With activation checkpointing (M_D): checkpoints are copied into one
+    pre-allocated arena instead of being allocated one by one."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: fp32 master weights and optimizer states live in host memory and
+    the optimizer step runs on the host; gradients go down, parameters come back."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train_micro_batch_size: int | None = None
@@ -206,6 +221,20 @@ class ZeroConfig:
             "collectives",
             f"{self.collectives!r} is not 'auto', 'native' or 'ring'",
         )
+        for name in (
+            "activation_checkpointing",
+            "partition_activations",
+            "cpu_offload_activations",
+            "contiguous_activations",
+            "offload_optimizer",
+        ):
+            _require(isinstance(getattr(self, name), bool), name, "must be true or false")
+        for name in ("partition_activations", "cpu_offload_activations"):
+            _require(
+                not getattr(self, name) or self.activation_checkpointing,
+                name,
+                "needs activation_checkpointing = true",
+            )
         _require(self.gradient_clipping >= 0, "gradient_clipping", "must be >= 0 (0 disables)")
         if self.train_micro_batch_size is not None:
             _require(self.train_micro_batch_size >= 1, "train_micro_batch_size", "must be >= 1")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm, construct
+from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_modules
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units
 from .gather import BufferCache, ParamGatherer
@@ -37,6 +38,7 @@ from .partition import build_groups
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
 from .schedule import lr_factor
 from .stages import policy_for
+from .tensor_parallel import MPGroup, is_mp_sharded
 
 if TYPE_CHECKING:
     from .checkpoint.background import SaveHandle
@@ -73,6 +75,7 @@ class Engine:
         optimizer: OptimizerFactory,
         group: dist.ProcessGroup | None = None,
         init: construct.InitSource = None,
+        mp_group: dist.ProcessGroup | None = None,
     ):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -90,6 +93,11 @@ class Engine:
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
         self.comm = comm.Communicator(group, self.ledger, config.collectives)
+        self.mp_group = mp_group
+        self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
+        self.mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
+        mp_comm = comm.Communicator(mp_group, self.ledger, "native") if self.mp_size > 1 else None
+        sharded_names = {n for n, p in module.named_parameters() if is_mp_sharded(p)}
         deferred = construct.is_deferred(module)
         if callable(init) and not deferred:
             raise ConfigError(
@@ -168,7 +176,31 @@ class Engine:
             communicator=self.comm,
             dp_world=self.dp_world,
             fuse=config.fuse_optimizer,
+            mp_comm=mp_comm,
+            replicated=[_replicated_ranges(u, sharded_names) for u in self.units],
+            offload=config.offload_optimizer,
         )
+        self.activations: CheckpointStore | None = None
+        self._checkpointer: ActivationCheckpointer | None = None
+        if config.activation_checkpointing:
+            blocks = checkpointed_modules(module)
+            if not blocks:
+                raise ConfigError(
+                    "activation_checkpointing: the model has no nn.ModuleList of blocks to "
+                    "checkpoint"
+                )
+            self.activations = CheckpointStore(
+                MPGroup(mp_group) if self.mp_size > 1 else None,
+                partition=config.partition_activations,
+                offload=config.cpu_offload_activations,
+                contiguous=config.contiguous_activations,
+                blocks=len(blocks),
+            )
+            recompute = None
+            if self.gatherer is not None:
+                self.gatherer.checkpointed.update(id(m) for _, m in blocks)
+                recompute = self.gatherer.recomputing
+            self._checkpointer = ActivationCheckpointer(blocks, self.activations, recompute)
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.phase = Phase.READY
         self.micro_steps = 0
@@ -255,11 +287,13 @@ class Engine:
         k = optimizer_state_bytes_per_param(self.optimizer.optimizer)
         psi_padded = sum(u.padded_numel for u in self.units)
         stage, precision, n_d = self.config.stage, self.config.precision, self.dp_world
+        offload = self.config.offload_optimizer
+        acts = self.activations
 
         def expected(psi: int) -> int | None:
             if k is None:
                 return None
-            return expected_model_state_bytes(stage, precision, psi, n_d, k)
+            return expected_model_state_bytes(stage, precision, psi, n_d, k, offload)
 
         return MemoryLedger(
             stage=stage,
@@ -279,6 +313,13 @@ class Engine:
             expected_padded=expected(psi_padded),
             gathered_params=self.gatherer.live_bytes if self.gatherer else 0,
             gathered_peak=self.gatherer.peak_live_bytes if self.gatherer else 0,
+            mp=self.mp_size,
+            offloaded=self.config.offload_optimizer,
+            host_grads=self.optimizer.host_grad_bytes(),
+            activations=acts.device_bytes if acts else 0,
+            activations_host=acts.host_bytes if acts else 0,
+            activations_peak=acts.peak_bytes if acts else 0,
+            activation_arena=acts.arena_bytes if acts else 0,
         )
 
     def comm_ledger(self) -> comm.CommLedger:
@@ -353,6 +394,8 @@ class Engine:
         parameters are empty placeholders (take ``state_dict()`` first)."""
         self.wait_for_save()
         self.reducer.remove_hooks()
+        if self._checkpointer is not None:
+            self._checkpointer.remove()
         if self.gatherer is not None:
             self.gatherer.close()
         self.comm.close()
@@ -364,3 +407,16 @@ class Engine:
         pending = [self.comm.broadcast(u.flat, "init") for u in self.units] if params else []
         pending += [self.comm.broadcast(b, "init") for b in self.module.buffers()]
         comm.wait_all(pending)
+
+
+def _replicated_ranges(unit: FlatUnit, sharded: set[str]) -> list[tuple[int, int]]:
+    """Ranges of the unit's gradient shard that hold MP-replicated parameters."""
+    lo, hi = unit.shard_range if unit.shard_world > 1 else (0, unit.padded_numel)
+    ranges = []
+    for slot in unit.slots:
+        if slot.names[0] in sharded:
+            continue
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            ranges.append((a - lo, b - lo))
+    return ranges

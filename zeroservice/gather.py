@@ -36,6 +36,7 @@ issues the same collectives in the same order.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -190,6 +191,11 @@ class ParamGatherer:
         self._expected = [0] * len(units)
         self._fired = [0] * len(units)
         self._orders = {"forward": _Order(), "backward": _Order()}
+        self.checkpointed: set[int] = set()
+        """ids of modules whose forward runs without a graph and is recomputed in backward
+        (activations.py): their first forward builds no gather nodes."""
+        self._recomputing = 0
+        self._in_backward = False
         self.live_elements = 0
         self.peak_live_elements = 0
         self.on_demand_gathers = 0
@@ -249,9 +255,21 @@ class ParamGatherer:
             self._begin_pass("forward")
         window: list[int] = []
         self._windows.append(window)
+        graph = torch.is_grad_enabled() and (
+            self._recomputing > 0 or id(module) not in self.checkpointed
+        )
         for index in indices:
             if index not in self._views:
-                self._use(index, window)
+                self._use(index, window, graph)
+
+    @contextlib.contextmanager
+    def recomputing(self):
+        """A checkpointed block's forward run again inside backward (activations.py)."""
+        self._recomputing += 1
+        try:
+            yield
+        finally:
+            self._recomputing -= 1
 
     def _exit(self, is_root: bool, module, args, output) -> None:
         for index in self._windows.pop():
@@ -265,9 +283,11 @@ class ParamGatherer:
             for index in self.persistent:
                 self._check_unmodified(index, self._live[index])
 
-    def _use(self, index: int, window: list[int]) -> None:
-        self._request(index, "forward")
-        if torch.is_grad_enabled():
+    def _use(self, index: int, window: list[int], graph: bool | None = None) -> None:
+        self._request(index, "backward" if self._in_backward else "forward")
+        if graph is None:
+            graph = torch.is_grad_enabled()
+        if graph:
             self._expected[index] += 1
             self._views[index] = _GatherUnit.apply(self, index, self._anchor)
         else:
@@ -295,6 +315,7 @@ class ParamGatherer:
         return self._buffer(saved.unit).as_strided(saved.size, saved.stride, saved.offset)
 
     def begin_backward(self) -> None:
+        self._in_backward = True
         self._touched.clear()
         self._begin_pass("backward")
 
@@ -318,6 +339,7 @@ class ParamGatherer:
 
     def end_backward(self) -> None:
         """After the reducer finished: drop what backward gathered, reset the node counts."""
+        self._in_backward = False
         self._release_all()
         self.cache.clear()
         self._expected = [0] * len(self.units)

@@ -41,11 +41,19 @@ def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int | N
 
 
 def expected_model_state_bytes(
-    stage: int, precision: str, psi: int, n_d: int, optimizer_bytes: int = 8
+    stage: int,
+    precision: str,
+    psi: int,
+    n_d: int,
+    optimizer_bytes: int = 8,
+    offload: bool = False,
 ) -> int:
-    """Per-rank bytes of model states. See [Note: model-state bytes]."""
+    """Per-rank bytes of model states. See [Note: model-state bytes].
+
+    With ``offload`` (ZeRO-Offload) the master is a separate fp32 copy on the host
+    even in fp32 (m = 4); the total is the same bytes, split between device and host."""
     p = g = _PARAM_BYTES[precision]
-    k = _MASTER_BYTES[precision] + optimizer_bytes
+    k = (4 if offload else _MASTER_BYTES[precision]) + optimizer_bytes
     if stage == 0:
         return (p + g + k) * psi
     if stage == 1:
@@ -84,6 +92,30 @@ class MemoryLedger:
     """Stage 3: bytes of whole (gathered or in-flight) units held right now."""
     gathered_peak: int = 0
     """Stage 3: the most such bytes held at once since the last reset."""
+    mp: int = 1
+    """Model-parallel degree: Ψ here is this MP rank's slice of the model."""
+    offloaded: bool = False
+    """Master weights and optimizer states live in host memory (ZeRO-Offload)."""
+    host_grads: int = 0
+    """ZeRO-Offload: the host buffer the reduced gradient shard is copied into."""
+    activations: int = 0
+    """Checkpointed activations held on the device now (activation checkpointing)."""
+    activations_host: int = 0
+    """Checkpointed activations held in host memory now (CPU offload)."""
+    activations_peak: int = 0
+    """The most checkpointed-activation bytes held at once since the last reset."""
+    activation_arena: int = 0
+    """Bytes of the contiguous checkpoint arena (M_D), whatever it holds now."""
+
+    @property
+    def host_bytes(self) -> int:
+        """Model states in host memory: master + optimizer states when offloaded."""
+        offloaded = self.master + self.optimizer_states + self.host_grads
+        return offloaded if self.offloaded else 0
+
+    @property
+    def device_model_states(self) -> int:
+        return self.model_states - (self.master + self.optimizer_states if self.offloaded else 0)
 
     @property
     def model_states(self) -> int:
@@ -96,6 +128,8 @@ class MemoryLedger:
     def as_dict(self) -> dict[str, int | str | None]:
         out = asdict(self)
         out["model_states"] = self.model_states
+        out["device_model_states"] = self.device_model_states
+        out["host_bytes"] = self.host_bytes
         out["total"] = self.total
         return out
 

@@ -65,10 +65,18 @@ class ShardedOptimizer:
         communicator: comm.Communicator,
         dp_world: int,
         fuse: bool = True,
+        mp_comm: comm.Communicator | None = None,
+        replicated: list[list[tuple[int, int]]] | None = None,
+        offload: bool = False,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
         self.mixed = mixed_precision
         self.dp_world = dp_world
+        self.mp_comm = mp_comm
+        self.replicated = replicated or [[] for _ in units]
+        """Per unit, ranges of its gradient shard holding MP-replicated parameters."""
+        self.offload = offload
+        self._host_grads: list[torch.Tensor] = []
         self.masters = [nn.Parameter(self._initial_master(u)) for u in units]
         self.optimizer = factory(self.masters)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -88,12 +96,23 @@ class ShardedOptimizer:
 
     def _initial_master(self, unit: FlatUnit) -> torch.Tensor:
         piece = unit.param_shard
+        if self.offload:
+            # ZeRO-Offload: the master and (through it) the optimizer state on the host,
+            # with a host gradient buffer the reduced shard is copied into.
+            pin = piece.is_cuda
+            master = torch.empty(piece.shape, dtype=torch.float32, pin_memory=pin)
+            master.copy_(piece.detach())
+            self._host_grads.append(torch.empty_like(master, pin_memory=pin))
+            return master
         return piece.detach().float().clone() if self.mixed else piece.detach()
 
     def master_bytes(self) -> int:
-        if not self.mixed:
+        if not (self.mixed or self.offload):
             return 0
         return sum(m.numel() * m.element_size() for m in self.masters)
+
+    def host_grad_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self._host_grads)
 
     def set_lr_factor(self, factor: float) -> None:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
@@ -102,10 +121,19 @@ class ShardedOptimizer:
     def global_grad_norm(self, grads: list[torch.Tensor], loss_scale: float) -> float:
         """Norm of the mean, unscaled gradient over all shards (one scalar all-reduce)."""
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-        for g in grads:
+        for g, ranges in zip(grads, self.replicated, strict=True):
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            if self.mp_comm is not None and ranges:
+                # MP-replicated parameters are counted once in all, not once per MP rank.
+                rep = sum(
+                    torch.linalg.vector_norm(g[a:b], dtype=torch.float32).square()
+                    for a, b in ranges
+                )
+                sq -= rep * (1 - 1 / self.mp_comm.world)
         if self.policy.shard_world > 1:
             self.comm.all_reduce(sq, "norm").wait()
+        if self.mp_comm is not None:
+            self.mp_comm.all_reduce(sq, "norm").wait()
         return math.sqrt(sq.item()) / (self.dp_world * loss_scale)
 
     def step(self, grads: list[torch.Tensor], loss_scale: float, max_norm: float) -> StepResult:
@@ -114,8 +142,12 @@ class ShardedOptimizer:
             return StepResult(norm, skipped=True)
         clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
         factor = clip / (self.dp_world * loss_scale)
-        for master, g in zip(self.masters, grads, strict=True):
-            if self.mixed:
+        for i, (master, g) in enumerate(zip(self.masters, grads, strict=True)):
+            if self.offload:
+                host = self._host_grads[i]
+                host.copy_(g)
+                master.grad = host.mul_(factor) if factor != 1.0 else host
+            elif self.mixed:
                 master.grad = g.float().mul_(factor)
             else:
                 master.grad = g.mul_(factor) if factor != 1.0 else g
@@ -129,8 +161,8 @@ class ShardedOptimizer:
         pending = []
         for unit, master in zip(self.units, self.masters, strict=True):
             piece = unit.param_shard
-            if self.mixed:
-                piece.copy_(master.detach())
+            if self.mixed or self.offload:
+                piece.copy_(master.detach(), non_blocking=self.offload)
             if self.policy.gathers_params and not unit.partitioned:
                 pending.append(self.comm.all_gather(unit.flat, "params"))
         return pending

@@ -5,10 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    MPGroup,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 
 @dataclass
@@ -49,16 +58,35 @@ class GPTConfig:
         return 6 * self.num_params() + 12 * self.n_layer * self.dim * self.seq_len
 
 
+def _tp(mp: MPGroup | None) -> MPGroup | None:
+    return mp if mp is not None and mp.size > 1 else None
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """Heads split across MP ranks when ``mp`` has more than one rank (column-parallel
+    qkv, row-parallel output projection)."""
+
+    def __init__(self, cfg: GPTConfig, mp: MPGroup | None = None):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        tp = _tp(mp)
+        t = tp.size if tp is not None else 1
+        if cfg.n_head % t:
+            raise ValueError(
+                f"n_head: {cfg.n_head} is not divisible by the model-parallel degree {t}"
+            )
+        self.n_head, self.local_dim = cfg.n_head // t, cfg.dim // t
+        d = cfg.dim
+        if tp is None:
+            self.qkv: nn.Module = nn.Linear(d, 3 * d, bias=cfg.bias)
+            self.proj: nn.Module = nn.Linear(d, d, bias=cfg.bias)
+        else:
+            self.qkv = ColumnParallelLinear(d, 3 * d, tp, bias=cfg.bias, groups=3)
+            self.proj = RowParallelLinear(d, d, tp, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
+        b, t, _ = x.shape
+        c = self.local_dim
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
@@ -67,22 +95,28 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, mp: MPGroup | None = None):
         super().__init__()
-        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim, bias=cfg.bias)
+        tp = _tp(mp)
+        d, f = cfg.dim, cfg.mlp_ratio * cfg.dim
+        if tp is None:
+            self.fc: nn.Module = nn.Linear(d, f, bias=cfg.bias)
+            self.proj: nn.Module = nn.Linear(f, d, bias=cfg.bias)
+        else:
+            self.fc = ColumnParallelLinear(d, f, tp, bias=cfg.bias)
+            self.proj = RowParallelLinear(f, d, tp, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, mp: MPGroup | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.dim)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, mp)
         self.ln2 = nn.LayerNorm(cfg.dim)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, mp)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,16 +125,29 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer; ``forward(idx, targets)`` returns the mean loss."""
+    """Decoder-only transformer; ``forward(idx, targets)`` returns the mean loss.
 
-    def __init__(self, cfg: GPTConfig):
+    With ``mp`` (a model-parallel group of t > 1 ranks) it is tensor parallel,
+    Megatron-style: heads, MLP features and the vocabulary are split t ways (see
+    zeroservice/tensor_parallel.py); layer norms, position embeddings and row-parallel
+    biases are replicated. For the same seed every MP degree starts from the same
+    weights (each rank holds its slice of them)."""
+
+    def __init__(self, cfg: GPTConfig, mp: MPGroup | None = None):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.mp = tp = _tp(mp)
+        if tp is None:
+            self.wte: nn.Module = nn.Embedding(cfg.vocab_size, cfg.dim)
+        else:
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, mp) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if tp is None:
+            self.head: nn.Module = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        else:
+            self.head = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight
         init = self.initializer(cfg)
@@ -114,7 +161,18 @@ class GPT(nn.Module):
         scaled = 0.02 / math.sqrt(2 * cfg.n_layer)
 
         def init(name: str, m: nn.Module) -> None:
-            if isinstance(m, nn.Linear):
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+                std_tp = scaled if name.endswith(("attn.proj", "mlp.proj")) else 0.02
+
+                def draw(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+                    nn.init.normal_(weight, std=std_tp)
+                    if bias is not None:
+                        nn.init.zeros_(bias)
+
+                m.init_from_full(draw)
+            elif isinstance(m, VocabParallelEmbedding):
+                m.init_from_full(partial(nn.init.normal_, std=0.02))
+            elif isinstance(m, nn.Linear):
                 std = scaled if name.endswith(("attn.proj", "mlp.proj")) else 0.02
                 nn.init.normal_(m.weight, std=std)
                 if m.bias is not None:
@@ -133,6 +191,21 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
+        if self.mp is not None:
+            return self._parallel_output(logits, targets)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def _parallel_output(self, logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """The loss from vocabulary-split logits, or the whole logits gathered."""
+        mp = self.mp
+        assert mp is not None
+        local = logits.shape[-1]
+        if targets is not None:
+            return vocab_parallel_cross_entropy(
+                logits.reshape(-1, local), targets.reshape(-1), mp.rank * local, mp
+            )
+        gathered = mp.all_gather_flat(logits.detach().reshape(-1).contiguous())
+        parts = gathered.view(mp.size, *logits.shape)
+        return torch.cat(list(parts), dim=-1)

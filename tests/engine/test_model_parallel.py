@@ -1,0 +1,195 @@
+"""Model parallelism × ZeRO-DP, activation checkpointing (P_a, CPU offload) and
+optimizer offload, each against its reference on the same seed."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.mp_scenarios import MPSpec, gradients, train
+from zeroservice.config import ConfigError, ZeroConfig
+from zeroservice.launch import run_local
+from zeroservice.models import GPT, GPTConfig
+from zeroservice.topology import TopologyError, check_degrees
+
+WORLD = 4
+STAGES = (1, 2, 3)
+# fp32 tolerance between MP = 2 × DP = 2 and MP = 1 × DP = 4: the split matmuls and
+# the vocabulary-parallel loss sum in another order (measured differences ~1e-7).
+RTOL = 1e-5
+CKPT = {
+    "none": {},
+    "checkpoint": {"activation_checkpointing": True},
+    "P_a": {"activation_checkpointing": True, "partition_activations": True},
+    "cpu": {"activation_checkpointing": True, "cpu_offload_activations": True},
+    "P_a+cpu": {
+        "activation_checkpointing": True,
+        "partition_activations": True,
+        "cpu_offload_activations": True,
+    },
+    "P_a-not-contiguous": {
+        "activation_checkpointing": True,
+        "partition_activations": True,
+        "contiguous_activations": False,
+    },
+}
+
+
+def _train_specs() -> dict[tuple, MPSpec]:
+    specs: dict[tuple, MPSpec] = {}
+    for stage in STAGES:
+        for mp in (1, 2):
+            specs[("mp", stage, mp)] = MPSpec(stage, mp, clip=0.05)
+    specs[("mp-accum", 2, 2)] = MPSpec(2, 2, accum=2, clip=0.05)
+    specs[("mp-accum", 2, 1)] = MPSpec(2, 1, accum=2, clip=0.05)
+    for stage in STAGES:
+        for offload in (False, True):
+            specs[("offload", stage, offload)] = MPSpec(
+                stage, 2, steps=4, engine={"offload_optimizer": offload}
+            )
+    specs[("offload-bf16", 2, True)] = MPSpec(
+        2, 1, steps=4, precision="bf16", engine={"offload_optimizer": True}
+    )
+    specs[("offload-bf16", 2, False)] = MPSpec(2, 1, steps=4, precision="bf16")
+    return specs
+
+
+@functools.cache
+def _trained() -> dict[tuple, dict]:
+    specs = _train_specs()
+    per_rank = run_local(train, WORLD, list(specs.values()))
+    return {key: per_rank[0][i] for i, key in enumerate(specs)}
+
+
+def _ckpt_specs() -> dict[tuple, MPSpec]:
+    return {
+        (stage, name): MPSpec(stage, 2, steps=3, engine=extra)
+        for stage in (0, 2, 3)
+        for name, extra in CKPT.items()
+    }
+
+
+@functools.cache
+def _checkpointed() -> list[dict[tuple, dict]]:
+    specs = _ckpt_specs()
+    per_rank = run_local(gradients, WORLD, list(specs.values()))
+    return [{key: r[i] for i, key in enumerate(specs)} for r in per_rank]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_mp2_dp2_trains_like_mp1_dp4(stage):
+    ref, tp = _trained()[("mp", stage, 1)], _trained()[("mp", stage, 2)]
+    np.testing.assert_allclose(tp["losses"], ref["losses"], rtol=RTOL)
+    # The global norm counts MP-sharded parameters once per slice and replicated ones
+    # (layer norms, biases after the all-reduce, positions) once in all; clipping is
+    # active (norm > 0.05), so a wrong norm would change every step.
+    np.testing.assert_allclose(tp["norms"], ref["norms"], rtol=RTOL)
+    assert min(ref["norms"]) > 0.05
+    assert tp["ledger"]["mp"] == 2 and tp["ledger"]["n_d"] == 2
+    assert ref["ledger"]["n_d"] == 4
+    # Each MP rank holds its slice: the formula over this rank's Ψ, to the byte.
+    assert tp["ledger"]["model_states"] == tp["ledger"]["expected_padded"]
+    assert tp["ledger"]["psi"] < ref["ledger"]["psi"]
+
+
+def test_mp_with_accumulation():
+    ref, tp = _trained()[("mp-accum", 2, 1)], _trained()[("mp-accum", 2, 2)]
+    np.testing.assert_allclose(tp["losses"], ref["losses"], rtol=RTOL)
+    np.testing.assert_allclose(tp["norms"], ref["norms"], rtol=RTOL)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizer_offload_trains_identically(stage):
+    on, off = _trained()[("offload", stage, True)], _trained()[("offload", stage, False)]
+    assert on["losses"] == off["losses"]  # fp32: the same arithmetic, on the host
+    ledger = on["ledger"]
+    assert ledger["offloaded"]
+    assert (
+        ledger["host_bytes"] == ledger["master"] + ledger["optimizer_states"] + ledger["host_grads"]
+    )
+    # fp32 offload: the master is a separate fp32 copy (m = 4) on the host.
+    assert ledger["master"] == 4 * ledger["psi_padded"] // (1 if stage == 0 else 2)
+    assert ledger["model_states"] == ledger["expected_padded"]
+    assert ledger["device_model_states"] == ledger["params"] + ledger["grads"]
+
+
+def test_optimizer_offload_bf16():
+    on, off = _trained()[("offload-bf16", 2, True)], _trained()[("offload-bf16", 2, False)]
+    np.testing.assert_allclose(on["losses"], off["losses"], rtol=0)
+    assert on["ledger"]["model_states"] == off["ledger"]["model_states"]
+
+
+@pytest.mark.parametrize("stage", (0, 2, 3))
+@pytest.mark.parametrize("variant", [v for v in CKPT if v != "none"])
+def test_checkpointing_gives_the_same_gradients(stage, variant):
+    for rank_results in _checkpointed():
+        base, out = rank_results[(stage, "none")], rank_results[(stage, variant)]
+        for a, b in zip(base["grads"], out["grads"], strict=True):
+            assert torch.equal(a, b)
+        assert out["losses"] == base["losses"]
+        assert out["overflows"] == 0
+
+
+@pytest.mark.parametrize("stage", (0, 2, 3))
+def test_partitioned_activations_hold_one_mp_slice(stage):
+    for rank_results in _checkpointed():
+        blocks = 2
+        whole = rank_results[(stage, "checkpoint")]["activations"]
+        part = rank_results[(stage, "P_a")]["activations"]
+        input_bytes = rank_results[(stage, "checkpoint")]["input_bytes"]
+        # After each forward: one input per block, on the device; with P_a exactly 1/mp.
+        assert whole == [(blocks * input_bytes, 0)] * 3
+        assert part == [(blocks * input_bytes // 2, 0)] * 3
+        assert rank_results[(stage, "cpu")]["activations"] == [(0, blocks * input_bytes)] * 3
+        assert (
+            rank_results[(stage, "P_a+cpu")]["activations"] == [(0, blocks * input_bytes // 2)] * 3
+        )
+        # M_D: one arena, allocated once for every step, sized for every block.
+        contiguous = rank_results[(stage, "P_a")]
+        assert contiguous["arena_allocations"] == 1
+        assert contiguous["ledger"]["activation_arena"] == blocks * input_bytes // 2
+        assert contiguous["ledger"]["activations"] == 0  # all freed by backward
+        assert rank_results[(stage, "P_a-not-contiguous")]["ledger"]["activation_arena"] == 0
+
+
+def test_degrees_must_divide_the_world():
+    assert check_degrees(8, 2) == 4
+    with pytest.raises(TopologyError, match="degree 3 does not divide the world size 4"):
+        check_degrees(4, 3)
+    with pytest.raises(TopologyError, match="2 × 2 = 4 is not the world size 8"):
+        check_degrees(8, 2, dp=2)
+    with pytest.raises(TopologyError, match="mp: 0"):
+        check_degrees(4, 0)
+
+
+def test_checkpointing_options_need_checkpointing():
+    with pytest.raises(ConfigError, match="partition_activations: needs activation_checkpointing"):
+        ZeroConfig(partition_activations=True)
+    with pytest.raises(ConfigError, match="cpu_offload_activations"):
+        ZeroConfig(cpu_offload_activations=True)
+    with pytest.raises(ConfigError, match="offload_optimizer: must be true or false"):
+        ZeroConfig(offload_optimizer="yes")  # type: ignore[arg-type]
+
+
+class _FakeMP:
+    """Just enough of an MPGroup to build a split model in one process."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self.size, self.rank = size, rank
+
+    def split(self, n: int, what: str) -> int:
+        from zeroservice.tensor_parallel import MPGroup
+
+        return MPGroup.split(self, n, what)  # type: ignore[arg-type]
+
+
+def test_split_model_refuses_indivisible_sizes():
+    with pytest.raises(
+        ValueError, match="n_head: 4 is not divisible by the model-parallel degree 3"
+    ):
+        GPT(GPTConfig(vocab_size=48, seq_len=8, n_layer=1, n_head=4, dim=48), _FakeMP(3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="vocab_size: 50 is not divisible"):
+        GPT(GPTConfig(vocab_size=50, seq_len=8, n_layer=1, n_head=4, dim=64), _FakeMP(4))  # type: ignore[arg-type]

@@ -1,0 +1,285 @@
+"""Activation checkpointing per block: partitioned across MP ranks (P_a), optionally
+on the host (P_a+cpu), stored in one contiguous arena (M_D).
+
+[Note: checkpointed blocks]
+A checkpointed block runs its forward without building a graph and keeps only its
+input; backward runs the forward again from that input (same RNG state, so dropout
+draws the same mask) and back-propagates through the recomputed graph. Activation
+memory drops from every block's intermediate tensors to one input per block plus
+one block's intermediates during recomputation.
+
+With tensor parallelism the block input is replicated on every MP rank. P_a keeps
+only this rank's 1/mp slice of it (flattened, padded to a multiple of mp) and
+all-gathers it over the MP group right before the recomputation: the bytes held
+per rank are exactly 1/mp of the whole input when mp divides its size. With CPU
+offload the slice moves to host memory (pinned on CUDA, copied asynchronously) and
+back before the gather.
+
+[Note: contiguous checkpoints]
+The checkpoints of one forward are long-lived (until their block's backward) while
+everything around them is short-lived; allocated one by one they interleave with
+temporaries and fragment the allocator (ZeRO-R's M_D). They are therefore copied
+into one pre-allocated arena, sized at the first forward for every checkpointed
+block, and the arena is reused by every later step. A checkpoint that does not fit
+(a longer sequence than the first forward's) gets its own allocation and is
+counted in ``overflows``; the arena grows to fit at the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from .tensor_parallel import MPGroup
+
+
+@dataclass
+class _Saved:
+    piece: torch.Tensor
+    """What is held: the whole input or this rank's slice, on the device or the host."""
+    shape: torch.Size
+    numel: int
+    device: torch.device
+    bytes: int
+
+
+class CheckpointStore:
+    """Holds the checkpointed block inputs. See [Note: checkpointed blocks]."""
+
+    def __init__(
+        self,
+        mp: MPGroup | None,
+        partition: bool,
+        offload: bool,
+        contiguous: bool,
+        blocks: int,
+    ):
+        self.mp = mp if partition and mp is not None and mp.size > 1 else None
+        self.offload, self.contiguous, self.blocks = offload, contiguous, blocks
+        self._arena: torch.Tensor | None = None
+        self._want = 0
+        """Elements the arena should hold (grows when a forward needed more)."""
+        self._used = 0
+        self._pass_need = 0
+        self._live = 0
+        self.device_bytes = 0
+        self.host_bytes = 0
+        self.peak_bytes = 0
+        self.overflows = 0
+        self.saved = 0
+        self.arena_allocations = 0
+
+    # -- storage ----------------------------------------------------------------------
+    def _home(self, like: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if self.offload else like.device
+
+    def _slot(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        home = self._home(like)
+        pin = self.offload and like.is_cuda
+        if not self.contiguous:
+            return torch.empty(numel, dtype=like.dtype, device=home, pin_memory=pin)
+        if self._live == 0:
+            self._used = 0
+            if self._pass_need > self._want:
+                self._want = self._pass_need
+            self._pass_need = 0
+            arena = self._arena
+            stale = arena is not None and (
+                arena.numel() < self._want or arena.dtype != like.dtype or arena.device != home
+            )
+            if arena is None or stale:
+                want = max(self._want, numel * self.blocks)
+                self._arena = torch.empty(want, dtype=like.dtype, device=home, pin_memory=pin)
+                self._want = want
+                self.arena_allocations += 1
+        self._pass_need += numel
+        arena = self._arena
+        assert arena is not None
+        if arena.dtype != like.dtype or self._used + numel > arena.numel():
+            self.overflows += 1
+            return torch.empty(numel, dtype=like.dtype, device=home, pin_memory=pin)
+        piece = arena[self._used : self._used + numel]
+        self._used += numel
+        return piece
+
+    def save(self, x: torch.Tensor) -> _Saved:
+        flat = x.detach().reshape(-1)
+        numel = flat.numel()
+        if self.mp is not None:
+            size = -(-numel // self.mp.size)
+            start = self.mp.rank * size
+            own = flat[start : start + size]
+            piece = self._slot(size, x)
+            piece[: own.numel()].copy_(own, non_blocking=True)
+            piece[own.numel() :].zero_()
+        else:
+            piece = self._slot(numel, x)
+            piece.copy_(flat, non_blocking=True)
+        nbytes = piece.numel() * piece.element_size()
+        self._live += 1
+        self.saved += 1
+        if piece.device.type == "cpu" and self.offload:
+            self.host_bytes += nbytes
+        else:
+            self.device_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.device_bytes + self.host_bytes)
+        return _Saved(piece, x.shape, numel, x.device, nbytes)
+
+    def load(self, saved: _Saved) -> torch.Tensor:
+        """The whole input again, on its device (gathered over MP with P_a)."""
+        piece = saved.piece.to(saved.device, non_blocking=True)
+        if self.mp is not None:
+            piece = self.mp.all_gather_flat(piece)[: saved.numel]
+        elif piece.data_ptr() == saved.piece.data_ptr():
+            piece = piece.clone()  # the arena slot is reused by the next step's forward
+        return piece.view(saved.shape)
+
+    def free(self, saved: _Saved) -> None:
+        self._live -= 1
+        if self.offload and saved.piece.device.type == "cpu":
+            self.host_bytes -= saved.bytes
+        else:
+            self.device_bytes -= saved.bytes
+
+    @property
+    def arena_bytes(self) -> int:
+        a = self._arena
+        return 0 if a is None else a.numel() * a.element_size()
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.device_bytes + self.host_bytes
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device):
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+class _Checkpoint(torch.autograd.Function):
+    """Forward without a graph keeping only the input; backward recomputes."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        checkpointer: ActivationCheckpointer,
+        run: Callable,
+        rerun: Callable,
+        x: torch.Tensor,
+        anchor,
+    ):
+        ctx.checkpointer, ctx.rerun = checkpointer, rerun
+        ctx.saved = checkpointer.store.save(x)
+        ctx.rng = _rng_state(x.device)
+        ctx.requires_input_grad = x.requires_grad
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ck: ActivationCheckpointer = ctx.checkpointer
+        x = ck.store.load(ctx.saved).detach().requires_grad_(ctx.requires_input_grad)
+        ck.store.free(ctx.saved)
+        with _replay_rng(ctx.rng, x.device), torch.enable_grad(), ck.replaying():
+            out = ctx.rerun(x)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, grads, strict=True)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return None, None, None, x.grad if ctx.requires_input_grad else None, None
+
+
+class ActivationCheckpointer:
+    """Checkpoints the forward of the given modules. See [Note: checkpointed blocks].
+
+    Each module's ``forward`` is replaced (on the instance) by one that runs it
+    through ``_Checkpoint`` when autograd records; its first positional argument is
+    the checkpointed input, other arguments are passed through unchanged (tensors
+    among them must not need gradients)."""
+
+    def __init__(
+        self,
+        modules: list[tuple[str, nn.Module]],
+        store: CheckpointStore,
+        recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
+        self.store = store
+        self.recomputing = recompute_context or contextlib.nullcontext
+        self.modules = modules
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._replaying = 0
+        for name, module in modules:
+            if "forward" in module.__dict__:
+                what = name or "the model"
+                raise ValueError(f"activation checkpointing: {what} is wrapped twice")
+            original = module.forward
+            module.forward = partial(self._forward, name, module, original)
+
+    @contextlib.contextmanager
+    def replaying(self):
+        """Recomputation: the module is called again (its hooks run: stage 3 gathers its
+        weights) and its forward runs directly."""
+        self._replaying += 1
+        try:
+            with self.recomputing():
+                yield
+        finally:
+            self._replaying -= 1
+
+    def _forward(self, name: str, module: nn.Module, original: Callable, *args: Any, **kwargs: Any):
+        if (
+            self._replaying
+            or not torch.is_grad_enabled()
+            or not args
+            or not isinstance(args[0], torch.Tensor)
+        ):
+            return original(*args, **kwargs)
+        x, rest = args[0], args[1:]
+        for value in (*rest, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise ValueError(
+                    f"activation checkpointing: {name} receives a second tensor that needs a "
+                    "gradient; only the first positional argument is checkpointed"
+                )
+
+        def run(inp: torch.Tensor):
+            return original(inp, *rest, **kwargs)
+
+        def rerun(inp: torch.Tensor):
+            return module(inp, *rest, **kwargs)
+
+        # The anchor needs a gradient, so the block's output does even when its input
+        # does not: backward always reaches the recomputation (and the parameters).
+        return _Checkpoint.apply(self, run, rerun, x, self._anchor)
+
+    def remove(self) -> None:
+        for _, module in self.modules:
+            module.__dict__.pop("forward", None)
+
+
+def checkpointed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every item of every nn.ModuleList: the transformer blocks."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        if isinstance(module, nn.ModuleList):
+            found.extend((f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module))
+    return found
