@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -341,6 +342,7 @@ class Engine:
 
         self.wait_for_save()
         self._saves += 1
+        root = self._slice_root(root, must_exist=False)
         if background:
             self._pending_save = save_in_background(self, root, client_state, keep, self._saves)
             return self._pending_save
@@ -360,9 +362,45 @@ class Engine:
     def load_checkpoint(self, path):
         """Load a checkpoint directory, or the newest valid one under a root, at this
         engine's world size and stage; returns a LoadResult (path, step, client_state)."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint import CheckpointError, load_checkpoint
 
-        return load_checkpoint(self, path)
+        result = load_checkpoint(self, self._slice_root(path, must_exist=True))
+        if self.mp_size > 1:
+            # Each MP slice falls back on its own; they must have landed on one step.
+            steps: list[int | None] = [None] * self.mp_size
+            dist.all_gather_object(steps, result.step, group=self.mp_group)
+            if len(set(steps)) > 1:
+                raise CheckpointError(
+                    f"{path}: the model-parallel slices loaded different steps {steps} "
+                    "(a slice's newest checkpoint is damaged); load an explicit step"
+                )
+        return result
+
+    def _slice_root(self, path, must_exist: bool) -> Path:
+        """With model parallelism each MP slice is a checkpoint of its own over the DP
+        group, under ``mp-RR-of-MM``; its degree must match the engine's."""
+        from .checkpoint import CheckpointError
+
+        path = Path(path)
+        slices = sorted(p.name for p in path.glob("mp-*-of-*")) if path.is_dir() else []
+        mine = f"mp-{self.mp_rank:02d}-of-{self.mp_size:02d}"
+        if not slices:
+            if self.mp_size == 1:
+                return path
+            if must_exist:
+                raise CheckpointError(
+                    f"{path}: no {mine} directory (saved without model parallelism?)"
+                )
+            return path / mine
+        degrees = {int(name.rsplit("-of-", 1)[1]) for name in slices}
+        if degrees != {self.mp_size}:
+            raise CheckpointError(
+                f"{path}: saved with model-parallel degree {max(degrees)}; this engine has "
+                f"mp = {self.mp_size} (the data-parallel degree may change, the MP degree not)"
+            )
+        if must_exist and mine not in slices:
+            raise CheckpointError(f"{path}: the slice {mine} is missing")
+        return path / mine
 
     # -- conveniences -------------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:

@@ -193,3 +193,26 @@ def test_split_model_refuses_indivisible_sizes():
         GPT(GPTConfig(vocab_size=48, seq_len=8, n_layer=1, n_head=4, dim=48), _FakeMP(3))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="vocab_size: 50 is not divisible"):
         GPT(GPTConfig(vocab_size=50, seq_len=8, n_layer=1, n_head=4, dim=64), _FakeMP(4))  # type: ignore[arg-type]
+
+
+def test_checkpoint_per_mp_slice_resumes_and_reshards_dp(tmp_path):
+    from tests.engine.mp_scenarios import load_state, save_and_resume
+
+    root = str(tmp_path / "ckpt")
+    spec = MPSpec(3, 2, steps=5)
+    runs = run_local(save_and_resume, WORLD, spec, root, 3)
+    for r in runs:
+        assert r["resumed"] == r["losses"][3:]  # exact resume from step 3
+    slices = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert slices == ["mp-00-of-02", "mp-01-of-02"]
+    # DP degree 2 -> 1 (world 2, MP kept at 2), at another stage: the same weights.
+    loaded = run_local(load_state, 2, MPSpec(1, 2), root)
+    for mp_rank in range(2):
+        want = runs[mp_rank]["state"]  # global rank mp_rank: dp 0, that MP slice
+        got = loaded[mp_rank]["state"]
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    # The MP degree cannot change: refused with both degrees named.
+    refused = run_local(load_state, 2, MPSpec(1, 1), root)
+    assert "saved with model-parallel degree 2; this engine has mp = 1" in refused[0]["error"]

@@ -196,7 +196,7 @@ def _apply(engine: Engine, plan: _Plan, reader: SegmentReader) -> None:
                 state[key] = spec["value"]
     pending = []
     for unit, master in zip(engine.units, engine.optimizer.masters, strict=True):
-        if engine.optimizer.mixed:
+        if engine.optimizer.mixed or engine.optimizer.offload:
             unit.param_shard.copy_(master.detach())
         if engine.policy.gathers_params and not unit.partitioned:
             pending.append(engine.comm.all_gather(unit.flat, "load"))
