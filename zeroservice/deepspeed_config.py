@@ -25,6 +25,15 @@ _TOP = {
     "communication_data_type",
     "optimizer",
     "scheduler",
+    "activation_checkpointing",
+}
+_ACTIVATIONS = {
+    "partition_activations",
+    "cpu_checkpointing",
+    "contiguous_memory_optimization",
+    "number_checkpoints",
+    "synchronize_checkpoint_boundary",
+    "profile",
 }
 _ZERO = {
     "stage",
@@ -36,6 +45,7 @@ _ZERO = {
     "allgather_partitions",
     "stage3_max_live_parameters",
     "stage3_param_persistence_threshold",
+    "offload_optimizer",
 }
 _FP16 = {
     "enabled",
@@ -91,6 +101,34 @@ def _zero(zero: dict[str, Any], out: dict[str, Any]) -> None:
         out["stage3_prefetch_elements"] = int(zero["stage3_max_live_parameters"])
     if "stage3_param_persistence_threshold" in zero:
         out["stage3_persistence_elements"] = int(zero["stage3_param_persistence_threshold"])
+    offload = zero.get("offload_optimizer")
+    if offload is not None:
+        _refuse_unknown(offload, {"device", "pin_memory"}, "zero_optimization.offload_optimizer.")
+        device = offload.get("device", "none")
+        if device not in ("cpu", "none"):
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.device={device!r}: only cpu (or none)"
+            )
+        _insist(offload, "pin_memory", True, "zero_optimization.offload_optimizer.")
+        out["offload_optimizer"] = device == "cpu"
+
+
+def _activations(section: dict[str, Any] | None, out: dict[str, Any]) -> None:
+    """DeepSpeed checkpoints what the model wraps itself; here the engine checkpoints
+    every block, so the section turns checkpointing on."""
+    if section is None:
+        return
+    _refuse_unknown(section, _ACTIVATIONS, "activation_checkpointing.")
+    for key in ("number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
+        if section.get(key) not in (None, False):
+            raise ConfigError(
+                f"activation_checkpointing.{key}={section[key]!r}: not supported "
+                "(every block is checkpointed)"
+            )
+    out["activation_checkpointing"] = True
+    out["partition_activations"] = bool(section.get("partition_activations", False))
+    out["cpu_offload_activations"] = bool(section.get("cpu_checkpointing", False))
+    out["contiguous_activations"] = bool(section.get("contiguous_memory_optimization", True))
 
 
 def _precision(ds: dict[str, Any], out: dict[str, Any]) -> None:
@@ -226,4 +264,5 @@ def from_deepspeed(ds: dict[str, Any], world_size: int | None = None) -> DeepSpe
     if "gradient_clipping" in ds:
         out["gradient_clipping"] = float(ds["gradient_clipping"])
     _scheduler(ds.get("scheduler"), out)
+    _activations(ds.get("activation_checkpointing"), out)
     return DeepSpeedSettings(ZeroConfig(**out), _optimizer(ds.get("optimizer")))

@@ -29,6 +29,7 @@ from .gather import BufferCache, ParamGatherer
 from .hooks import GradReducer
 from .memory import (
     MemoryLedger,
+    allocator_stats,
     expected_model_state_bytes,
     optimizer_state_bytes_per_param,
     optimizer_state_tensors,
@@ -322,6 +323,11 @@ class Engine:
             activations_peak=acts.peak_bytes if acts else 0,
             activation_arena=acts.arena_bytes if acts else 0,
         )
+
+    def allocator_stats(self) -> dict[str, int] | None:
+        """CUDA allocator figures (fragmentation, retries) for this rank's device; None
+        on CPU. See memory.allocator_stats."""
+        return allocator_stats(self.units[0].flat.device)
 
     def comm_ledger(self) -> comm.CommLedger:
         """Every collective issued so far: calls, bytes, seconds, bandwidth."""

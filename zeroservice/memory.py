@@ -150,3 +150,25 @@ def optimizer_state_tensors(
                 same = value.numel() == param.numel() and value.numel() > 1
                 (big if same else small).append(value)
     return big, small
+
+
+def allocator_stats(device: torch.device) -> dict[str, int] | None:
+    """The CUDA caching allocator's own figures (None off CUDA).
+
+    ``fragmentation`` is reserved − allocated: memory the allocator holds but cannot
+    hand out as one block; ``alloc_retries`` counts allocations that succeeded only
+    after freeing cached blocks (the symptom M_D removes)."""
+    if device.type != "cuda":
+        return None
+    s = torch.cuda.memory_stats(device)
+    reserved = s.get("reserved_bytes.all.current", 0)
+    allocated = s.get("allocated_bytes.all.current", 0)
+    return {
+        "allocated": allocated,
+        "reserved": reserved,
+        "peak_allocated": s.get("allocated_bytes.all.peak", 0),
+        "peak_reserved": s.get("reserved_bytes.all.peak", 0),
+        "fragmentation": reserved - allocated,
+        "alloc_retries": s.get("num_alloc_retries", 0),
+        "ooms": s.get("num_ooms", 0),
+    }

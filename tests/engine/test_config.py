@@ -104,6 +104,22 @@ def test_deepspeed_stage3_translates():
     assert cfg.stage3_persistence_elements == 10_000
 
 
+def test_deepspeed_offload_and_activation_checkpointing_translate():
+    cfg = from_deepspeed(
+        {
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "activation_checkpointing": {
+                "partition_activations": True,
+                "cpu_checkpointing": True,
+                "contiguous_memory_optimization": False,
+            },
+        }
+    ).config
+    assert cfg.offload_optimizer
+    assert cfg.activation_checkpointing and cfg.partition_activations
+    assert cfg.cpu_offload_activations and not cfg.contiguous_activations
+
+
 def test_deepspeed_fp16_section():
     cfg = from_deepspeed(
         {"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 50}}
@@ -115,7 +131,12 @@ def test_deepspeed_fp16_section():
 @pytest.mark.parametrize(
     "ds,name",
     [
-        ({"zero_optimization": {"offload_optimizer": {}}}, "zero_optimization.offload_optimizer"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
+        ({"activation_checkpointing": {"number_checkpoints": 4}}, "number_checkpoints"),
+        ({"activation_checkpointing": {"foo": 1}}, "activation_checkpointing.foo"),
         ({"steps_per_print": 10}, "steps_per_print"),
         ({"zero_optimization": {"reduce_scatter": False}}, "zero_optimization.reduce_scatter"),
         ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),
