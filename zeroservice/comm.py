@@ -84,6 +84,10 @@ class CommLedger:
     entries: dict[tuple[str, str], CollectiveStats] = field(default_factory=dict)
     native_busy_until: float = 0.0
     """When the last native op was seen to finish (see ``Pending.wait``)."""
+    launched: int = 0
+    """Collectives launched so far (a hang watchdog compares it across ranks)."""
+    last_launched: str = ""
+    """``op/tag`` of the last collective launched."""
 
     def record(
         self, op: str, tag: str, tensor: torch.Tensor, world: int, secs: float, impl: str
@@ -159,6 +163,8 @@ class Communicator:
         self.ring = RingComm(group) if use_ring and self.world > 1 else None
 
     def _pending(self, wait, op, tag, payload, impl="native") -> Pending:
+        self.ledger.launched += 1
+        self.ledger.last_launched = f"{op}/{tag}"
         return Pending(wait, self.ledger, op, tag, payload, self.world, impl)
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> Pending:

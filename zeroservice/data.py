@@ -81,3 +81,40 @@ def micro_batch(
     first = ((step * accumulation + micro) * dp_world + dp_rank) * batch_size
     rows = torch.stack([dataset.sample(first + i) for i in range(batch_size)])
     return rows[:, :-1], rows[:, 1:]
+
+
+class TokenFile:
+    """A pre-tokenised file of little-endian uint16 or uint32 ids, memory-mapped; sample i
+    starts at a seeded random offset (as ByteText). Ids are checked against the
+    vocabulary as they are read."""
+
+    def __init__(
+        self, path: str | Path, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0
+    ):
+        import numpy as np
+
+        if dtype not in ("uint16", "uint32"):
+            raise ValueError(f"dtype: {dtype!r} is not uint16 or uint32")
+        size = Path(path).stat().st_size
+        width = 2 if dtype == "uint16" else 4
+        if size % width:
+            raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} ids")
+        if size // width < seq_len + 2:
+            raise ValueError(
+                f"{path}: {size // width} tokens is too short for seq_len {seq_len} "
+                f"(need {seq_len + 2})"
+            )
+        self.ids = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+        self.path, self.seq_len, self.vocab_size, self.seed = Path(path), seq_len, vocab_size, seed
+
+    def sample(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = int(torch.randint(len(self.ids) - self.seq_len - 1, (1,), generator=g))
+        row = torch.from_numpy(self.ids[start : start + self.seq_len + 1].astype("int64"))
+        top = int(row.max())
+        if top >= self.vocab_size:
+            raise ValueError(
+                f"{self.path}: token id {top} near offset {start} is outside the vocabulary "
+                f"({self.vocab_size})"
+            )
+        return row

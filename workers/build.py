@@ -1,0 +1,100 @@
+"""Build what a job spec describes, on one rank: the model, its data and its optimizer."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroservice
+from zeroservice.data import ByteText, SyntheticTokens, TokenDataset, TokenFile
+from zeroservice.models import GPT
+from zeroservice.optim import OptimizerFactory
+from zeroservice.tensor_parallel import MPGroup
+
+from .spec import FactoryModelSpec, GPTModelSpec, JobSpec, TransformersModelSpec
+
+
+class CausalLMLoss(nn.Module):
+    """Wraps a ``transformers`` causal LM so that ``forward(inputs, targets)`` is the loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=inputs).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _transformers_model(spec: TransformersModelSpec) -> nn.Module:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise RuntimeError(
+            "model.kind transformers: the transformers package is not installed"
+        ) from exc
+    cls = getattr(transformers, spec.architecture, None)
+    if cls is None:
+        raise ValueError(f"model.architecture: transformers has no {spec.architecture}")
+    config_cls = cls.config_class
+    config = config_cls(**spec.config)
+    if getattr(config, "vocab_size", spec.vocab_size) != spec.vocab_size:
+        raise ValueError(
+            f"model.vocab_size: {spec.vocab_size} differs from the config's {config.vocab_size}"
+        )
+    return CausalLMLoss(cls(config))
+
+
+def _factory_model(spec: FactoryModelSpec) -> nn.Module:
+    module_name, _, attr = spec.factory.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"model.factory: cannot import {spec.factory}: {exc}") from None
+    model = fn(**spec.kwargs)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model.factory: {spec.factory} returned {type(model).__name__}, not an nn.Module"
+        )
+    return model
+
+
+def build_model(spec: JobSpec, mp_group) -> tuple[nn.Module, Any]:
+    """The model (built straight into shards at stage 3 for the GPT) and its ``init``."""
+    model_spec = spec.model
+    torch.manual_seed(spec.seed)
+    if isinstance(model_spec, GPTModelSpec):
+        cfg = model_spec.gpt_config()
+        mp = MPGroup(mp_group) if spec.resources.mp > 1 else None
+        if spec.zero_config().stage == 3:
+            with zeroservice.deferred_init():
+                model = GPT(cfg, mp)
+            return model, GPT.initializer(cfg)
+        return GPT(cfg, mp), None
+    if isinstance(model_spec, TransformersModelSpec):
+        return _transformers_model(model_spec), None
+    return _factory_model(model_spec), None
+
+
+def build_dataset(spec: JobSpec) -> TokenDataset:
+    data, seq = spec.data, spec.model.seq_len
+    if data.kind == "synthetic":
+        return SyntheticTokens(spec.model.vocab_size, seq, seed=data.seed)
+    assert data.path is not None
+    if data.kind == "text":
+        return ByteText(data.path, seq, seed=data.seed)
+    return TokenFile(data.path, seq, spec.model.vocab_size, data.dtype, seed=data.seed)
+
+
+def optimizer_factory(spec: JobSpec) -> OptimizerFactory:
+    o = spec.optimizer
+    if o.type == "sgd":
+        return lambda ps: torch.optim.SGD(
+            ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay
+        )
+    cls = torch.optim.AdamW if o.type == "adamw" else torch.optim.Adam
+    return lambda ps: cls(ps, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)

@@ -1,0 +1,45 @@
+"""Start a supervised job on Ray, or find one again (from any process of the cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from .spec import JobSpec
+from .supervisor import NAMESPACE, JobSupervisor, supervisor_name
+
+
+def launch(job_id: str, spec: JobSpec, checkpoint_root: str | Path) -> Any:
+    """Create the job's detached supervisor and start it; returns its actor handle."""
+    remote = ray.remote(JobSupervisor)
+    handle = remote.options(
+        name=supervisor_name(job_id),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        num_cpus=0,
+        max_concurrency=16,
+        max_restarts=0,
+    ).remote(job_id, spec.model_dump_json(), str(checkpoint_root))
+    ray.get(handle.start.remote())
+    return handle
+
+
+def attach(job_id: str) -> Any | None:
+    """The running supervisor of ``job_id``, or None if it is gone."""
+    try:
+        return ray.get_actor(supervisor_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def stop(job_id: str, reason: str = "cancelled by request", timeout: float = 30.0) -> str | None:
+    """Cancel the job, wait until its ranks are gone, then remove its supervisor."""
+    handle = attach(job_id)
+    if handle is None:
+        return None
+    ray.get(handle.cancel.remote(reason))
+    status = ray.get(handle.wait.remote(timeout))
+    ray.kill(handle, no_restart=True)
+    return status

@@ -1,0 +1,76 @@
+"""Placement: one placement group per job, one bundle per data-parallel replica.
+
+[Note: placement]
+A bundle always lands on one node, so making each bundle a whole model-parallel group
+(``mp × cpus_per_rank`` CPUs, ``mp`` GPUs) packs every MP group on one node, where
+its per-layer all-reduces stay on the fast links; the bundles use the SPREAD strategy,
+so the DP replicas spread over nodes when they can (and share one when they must).
+Rank ``d·mp + m`` is scheduled into bundle ``d``. GPU ranks ask for one GPU each and
+Ray shows each only its own (CUDA_VISIBLE_DEVICES); CPU ranks ask for CPUs only.
+
+How many replicas fit now is found by asking Ray, not by arithmetic over resources:
+a group of ``dp`` bundles is created and given a short time to become ready; if it
+does not, a smaller one is tried, down to ``min_dp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from .spec import ResourcesSpec
+
+
+def bundle(resources: ResourcesSpec) -> dict[str, float]:
+    out = {"CPU": resources.mp * resources.cpus_per_rank}
+    if resources.gpus_per_rank:
+        out["GPU"] = float(resources.mp * resources.gpus_per_rank)
+    return out
+
+
+@dataclass
+class Placement:
+    group: PlacementGroup
+    dp: int
+
+    def remove(self) -> None:
+        with contextlib.suppress(Exception):  # already gone with its cluster
+            remove_placement_group(self.group)
+
+
+def replicas_available(resources: ResourcesSpec) -> int:
+    """Upper bound on DP replicas the cluster's free resources could hold now."""
+    free = ray.available_resources()
+    need = bundle(resources)
+    fits = [int(free.get(k, 0.0) // v) for k, v in need.items() if v > 0]
+    return min(fits) if fits else 0
+
+
+def place(
+    job_id: str,
+    resources: ResourcesSpec,
+    lowest: int,
+    highest: int,
+    wait_s: float,
+    probe_s: float = 3.0,
+) -> Placement | None:
+    """The largest group of ``lowest..highest`` replicas Ray can place now (None: none).
+
+    Sizes above what the free resources allow are not tried; each size but the
+    smallest gets ``probe_s`` to become ready, the smallest gets ``wait_s``."""
+    start = min(highest, max(lowest, replicas_available(resources)))
+    for dp in range(start, lowest - 1, -1):
+        pg = placement_group(
+            [bundle(resources)] * dp, strategy="SPREAD", name=f"zeroservice-{job_id}-{dp}"
+        )
+        timeout = wait_s if dp == lowest else probe_s
+        ready, _ = ray.wait([pg.ready()], timeout=timeout)
+        if ready:
+            return Placement(pg, dp)
+        remove_placement_group(pg)
+        time.sleep(0.1)
+    return None

@@ -1,0 +1,293 @@
+"""One rank of a job: joins the process group, runs the engine, reports and serves metrics.
+
+A plain class; the supervisor wraps it with ``ray.remote`` as a threaded actor, so that
+``progress()`` answers while ``train()`` runs (the hang watchdog depends on it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zeroservice
+from zeroservice.comm import CommLedger
+from zeroservice.data import micro_batch
+
+from .build import build_dataset, build_model, optimizer_factory
+from .flops import flops_per_token, peak_tflops
+from .metrics import RankMetrics
+from .spec import JobSpec
+
+_BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+def _bus_factor(op: str, n: int) -> float:
+    return _BUS.get(op, lambda n: (n - 1) / n)(n) if n > 1 else 0.0
+
+
+def _kib(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class RankWorker:
+    """See the module docstring."""
+
+    def __init__(self, job_id: str, rank: int, spec_json: str):
+        self.job_id, self.rank = job_id, rank
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.engine: zeroservice.Engine | None = None
+        self.metrics: RankMetrics | None = None
+        self.step = 0
+        self.tokens = 0
+        self._lock = threading.Lock()
+        self._phase = "created"
+        self._mp_ledgers: list[CommLedger] = []
+
+    # -- placement and bootstrap ---------------------------------------------------------
+    def address(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "gpus": ray.get_gpu_ids(),
+        }
+
+    def free_port(self) -> int:
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return int(s.getsockname()[1])
+
+    def setup(
+        self,
+        master: str,
+        port: int,
+        world: int,
+        checkpoint_root: str,
+        restarts: int,
+        node: str,
+    ) -> dict[str, Any]:
+        """Join the group (bounded by the bootstrap timeout), build the engine, load the
+        newest valid checkpoint if there is one, start serving metrics."""
+        import ray
+
+        spec = self.spec
+        self._phase = "bootstrap"
+        use_cuda = spec.resources.gpus_per_rank > 0 and torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
+        timeout = max(spec.timeouts.bootstrap_s, spec.timeouts.step_s)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{master}:{port}",
+            rank=self.rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        topo = zeroservice.build_topology(spec.resources.mp)
+        self.topo = topo
+        model, init = build_model(spec, topo.mp_group)
+        if use_cuda and init is None:
+            model.cuda()
+        self._mp_ledgers = [m.ledger for m in {id(x): x for x in _mp_groups(model)}.values()]
+        self.engine = engine = zeroservice.initialize(
+            model, spec.zero_config(), optimizer_factory(spec), init=init, topology=topo
+        )
+        self.dataset = build_dataset(spec)
+        self.root = checkpoint_root
+        self.step = 0
+        loaded = None
+        if Path(checkpoint_root).exists() and any(Path(checkpoint_root).iterdir()):
+            try:
+                result = engine.load_checkpoint(checkpoint_root)
+                self.step = int(result.client_state.get("step", result.step))
+                self.tokens = int(result.client_state.get("tokens", 0))
+                loaded = str(result.path)
+            except Exception as exc:  # every rank raises the same verdict
+                if "no complete, valid checkpoint" not in str(exc):
+                    raise
+        self.flops_per_token = flops_per_token(spec, model, engine.psi) / spec.resources.mp
+        self.peak = peak_tflops(
+            torch.device("cuda", 0) if use_cuda else torch.device("cpu"), spec.peak_tflops
+        )
+        node_ip = ray.util.get_node_ip_address()
+        self.metrics = RankMetrics(
+            {
+                "job_id": self.job_id,
+                "rank": str(self.rank),
+                "dp_rank": str(topo.dp_rank),
+                "mp_rank": str(topo.mp_rank),
+                "node": node,
+            }
+        )
+        metrics_port = self.metrics.serve(node_ip)
+        self.metrics.update(restarts=restarts, workers=world, step=self.step, tokens=self.tokens)
+        self._phase = "ready"
+        return {
+            "rank": self.rank,
+            "dp_rank": topo.dp_rank,
+            "mp_rank": topo.mp_rank,
+            "start_step": self.step,
+            "loaded": loaded,
+            "metrics": f"{node_ip}:{metrics_port}",
+            "psi": engine.psi,
+        }
+
+    # -- training -------------------------------------------------------------------------
+    def train(self, until: int) -> dict[str, Any]:
+        """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches)."""
+        engine, spec = self.engine, self.spec
+        assert engine is not None, "setup first"
+        accum = engine.config.gradient_accumulation_steps
+        tokens_per_step = spec.micro_batch * accum * spec.model.seq_len
+        losses: dict[int, float] = {}
+        while self.step < until:
+            t0 = time.perf_counter()
+            total = 0.0
+            for m in range(accum):
+                self._phase = f"forward {m}"
+                x, y = micro_batch(
+                    self.dataset,
+                    self.step,
+                    m,
+                    spec.micro_batch,
+                    self.topo.dp_rank,
+                    self.topo.dp,
+                    accum,
+                )
+                device = engine.units[0].flat.device
+                loss = engine(x.to(device), y.to(device))
+                self._phase = f"backward {m}"
+                engine.backward(loss)
+                self._phase = "step"
+                report = engine.step()
+                total += loss.item() / accum
+            seconds = time.perf_counter() - t0
+            self.step += 1
+            self.tokens += tokens_per_step
+            losses[self.step] = total
+            self._publish(total, seconds, tokens_per_step, report.loss_scale)
+        self._phase = "idle"
+        return {
+            "rank": self.rank,
+            "losses": losses,
+            "step": self.step,
+            "ledger": engine.memory_ledger().as_dict(),
+        }
+
+    def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> None:
+        assert self.engine is not None and self.metrics is not None
+        ledger = self.engine.memory_ledger()
+        tflops = tokens * self.flops_per_token / seconds / 1e12 if seconds > 0 else 0.0
+        if torch.cuda.is_available() and self.engine.units[0].flat.is_cuda:
+            allocated = torch.cuda.memory_allocated()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            allocated, peak = _kib("VmRSS") * 1024, _kib("VmHWM") * 1024
+        memory = {
+            "params": ledger.params,
+            "grads": ledger.grads,
+            "master": ledger.master,
+            "optimizer": ledger.optimizer_states + ledger.optimizer_other,
+            "activations": ledger.activations_peak,
+            "comm_buffers": ledger.comm_buffers,
+            "gathered": ledger.gathered_peak,
+            "allocated": allocated,
+            "peak": peak,
+        }
+        self.metrics.step_seconds.observe(seconds)
+        self.metrics.update(
+            memory=memory,
+            expected=ledger.expected_padded,
+            model_states=ledger.model_states,
+            collectives=self._collectives(),
+            tflops=tflops,
+            mfu=tflops / self.peak if self.peak else None,
+            loss=loss,
+            loss_scale=loss_scale,
+            step=self.step,
+            tokens=self.tokens,
+        )
+        self._last = {"memory": memory, "loss": loss, "seconds": seconds, "tflops": tflops}
+
+    def _collectives(self) -> dict[tuple[str, str], dict[str, float]]:
+        assert self.engine is not None
+        out: dict[tuple[str, str], dict[str, float]] = {}
+        sources = [("dp", self.engine.comm_ledger())] + [("mp", led) for led in self._mp_ledgers]
+        for group, ledger in sources:
+            for stats in ledger.entries.values():
+                agg = out.setdefault((stats.op, group), {"bytes": 0, "seconds": 0.0, "n": 0})
+                agg["bytes"] += stats.payload_bytes
+                agg["seconds"] += stats.seconds
+                agg["n"] = stats.world_size
+        for (op, _), agg in out.items():
+            bw = agg["bytes"] / agg["seconds"] if agg["seconds"] > 0 else 0.0
+            agg["busbw"] = bw * _bus_factor(op, int(agg["n"]))
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, keep: int) -> str:
+        assert self.engine is not None
+        self._phase = "checkpoint"
+        path = self.engine.save_checkpoint(
+            self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
+        )
+        self._phase = "idle"
+        return str(path)
+
+    # -- watchdog and stats --------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:
+        """Answered while ``train`` runs (threaded actor). See workers/watchdog.py."""
+        launched, last = 0, ""
+        if self.engine is not None:
+            for ledger in [self.engine.comm_ledger(), *self._mp_ledgers]:
+                launched += ledger.launched
+            last = self.engine.comm_ledger().last_launched
+            if self._mp_ledgers and self._mp_ledgers[0].launched:
+                mp_last = self._mp_ledgers[0].last_launched
+                last = f"{last} (mp: {mp_last})" if last else f"mp {mp_last}"
+        return {
+            "step": self.step,
+            "phase": self._phase,
+            "collectives": launched,
+            "last_collective": last,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return dict(getattr(self, "_last", {}), step=self.step, rank=self.rank)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.metrics is not None:
+            self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _mp_groups(model: torch.nn.Module):
+    from zeroservice.tensor_parallel import MPGroup
+
+    for module in model.modules():
+        mp = getattr(module, "mp", None)
+        if isinstance(mp, MPGroup):
+            yield mp

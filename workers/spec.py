@@ -1,0 +1,225 @@
+"""The job spec: one validated schema for a training job, used by the supervisor and
+accepted as is by the REST API.
+
+Every model is strict (``extra="forbid"``): an unknown or misspelt field is an error
+naming it, never silently ignored. Cross-field rules (dp × mp, heads and vocabulary
+divisible by mp, min_dp ≤ dp ≤ max_dp, the engine config) are checked here, so a bad
+job is refused at submission, before any resource is taken.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from zeroservice.config import ConfigError, ZeroConfig
+from zeroservice.models import GPTConfig
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GPTModelSpec(_Strict):
+    """The reference GPT (zeroservice.models.GPT); tensor parallel when mp > 1."""
+
+    kind: Literal["gpt"] = "gpt"
+    vocab_size: int = Field(8192, ge=2, le=1_048_576)
+    seq_len: int = Field(128, ge=1, le=1_048_576)
+    n_layer: int = Field(4, ge=1, le=1024)
+    n_head: int = Field(4, ge=1, le=1024)
+    dim: int = Field(256, ge=1, le=65_536)
+    mlp_ratio: int = Field(4, ge=1, le=64)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_weights: bool = True
+    bias: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> GPTModelSpec:
+        if self.dim % self.n_head:
+            raise ValueError(f"model.dim: {self.dim} is not divisible by n_head {self.n_head}")
+        return self
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(**self.model_dump(exclude={"kind"}))
+
+
+class TransformersModelSpec(_Strict):
+    """A causal language model from ``transformers``, built from a config (no download)."""
+
+    kind: Literal["transformers"]
+    architecture: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9]*ForCausalLM$|^GPT2LMHeadModel$")
+    """e.g. GPT2LMHeadModel, LlamaForCausalLM."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of the architecture's config class (n_layer, hidden_size, ...)."""
+    seq_len: int = Field(128, ge=1, le=1_048_576)
+    vocab_size: int = Field(ge=2, le=1_048_576)
+
+
+class FactoryModelSpec(_Strict):
+    """``package.module:function(**kwargs)`` returning an nn.Module whose
+    ``forward(inputs, targets)`` returns the mean loss."""
+
+    kind: Literal["factory"]
+    factory: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    seq_len: int = Field(128, ge=1, le=1_048_576)
+    vocab_size: int = Field(ge=2, le=1_048_576)
+
+    @field_validator("factory")
+    @classmethod
+    def _importable_form(cls, value: str) -> str:
+        if not _FACTORY.match(value):
+            raise ValueError(f"{value!r} is not of the form package.module:function")
+        return value
+
+
+ModelSpec = Annotated[
+    GPTModelSpec | TransformersModelSpec | FactoryModelSpec, Field(discriminator="kind")
+]
+
+
+class DataSpec(_Strict):
+    """Where tokens come from. ``synthetic``: a learnable Markov chain (no files);
+    ``text``: a file read as bytes (vocabulary 256); ``tokens``: a pre-tokenised file
+    of little-endian uint16 or uint32 ids."""
+
+    kind: Literal["synthetic", "text", "tokens"] = "synthetic"
+    path: str | None = None
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _path_when_needed(self) -> DataSpec:
+        if self.kind != "synthetic" and not self.path:
+            raise ValueError(f"data.path: required for data of kind {self.kind!r}")
+        if self.kind == "synthetic" and self.path:
+            raise ValueError("data.path: synthetic data reads no file")
+        return self
+
+
+class OptimizerSpec(_Strict):
+    type: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = Field(3e-4, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0, le=1)
+    momentum: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"each beta must be in [0, 1), got {value}")
+        return value
+
+
+class ResourcesSpec(_Strict):
+    dp: int = Field(1, ge=1, le=4096)
+    """Data-parallel ranks to start with."""
+    mp: int = Field(1, ge=1, le=64)
+    """Model-parallel (tensor-parallel) ranks per replica; packed on one node."""
+    min_dp: int | None = Field(None, ge=1, le=4096)
+    """The job shrinks down to this many replicas on worker loss (default: dp)."""
+    max_dp: int | None = Field(None, ge=1, le=4096)
+    """The job grows back up to this many replicas when capacity returns (default: dp)."""
+    gpus_per_rank: Literal[0, 1] = 0
+    cpus_per_rank: float = Field(1.0, gt=0, le=256)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ResourcesSpec:
+        lo = self.min_dp if self.min_dp is not None else self.dp
+        hi = self.max_dp if self.max_dp is not None else self.dp
+        if not lo <= self.dp <= hi:
+            raise ValueError(
+                f"resources: need min_dp <= dp <= max_dp, got {lo} <= {self.dp} <= {hi}"
+            )
+        return self
+
+    @property
+    def lowest_dp(self) -> int:
+        return self.min_dp if self.min_dp is not None else self.dp
+
+    @property
+    def highest_dp(self) -> int:
+        return self.max_dp if self.max_dp is not None else self.dp
+
+
+class CheckpointSpec(_Strict):
+    interval_steps: int = Field(50, ge=1, le=10**9)
+    """Save every this many optimizer steps (and at the end)."""
+    keep: int = Field(2, ge=1, le=1000)
+    dir: str | None = None
+    """Root directory (default: the service's data directory / job id)."""
+
+
+class TimeoutsSpec(_Strict):
+    bootstrap_s: float = Field(120.0, gt=0, le=3600)
+    """Placement and process-group start-up must finish within this."""
+    step_s: float = Field(300.0, gt=0, le=86_400)
+    """A rank that makes no progress for this long is declared stalled (watchdog)."""
+
+
+class JobSpec(_Strict):
+    """A training job, as submitted."""
+
+    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[\w.\- ]+$")
+    model: ModelSpec = Field(default_factory=GPTModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    engine: dict[str, Any] = Field(default_factory=dict)
+    """ZeroConfig fields (stage, precision, buckets, prefetch, activation
+    checkpointing, offload, gradient_accumulation_steps, clipping, lr_schedule...)."""
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    steps: int = Field(100, ge=1, le=10**9)
+    micro_batch: int = Field(8, ge=1, le=65_536)
+    """Samples per DP replica per micro-batch."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    timeouts: TimeoutsSpec = Field(default_factory=TimeoutsSpec)
+    max_restarts: int = Field(3, ge=0, le=1000)
+    seed: int = Field(0, ge=0)
+    peak_tflops: float | None = Field(None, gt=0, le=100_000)
+    """Peak dense TFLOPS of one rank's device for MFU (default: from the device table)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            ZeroConfig.from_dict(dict(value))
+        except (ConfigError, TypeError) as exc:
+            raise ValueError(f"engine.{exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _parallel_fits_model(self) -> JobSpec:
+        mp = self.resources.mp
+        if mp > 1:
+            if not isinstance(self.model, GPTModelSpec):
+                raise ValueError(
+                    "resources.mp: model parallelism needs the reference GPT (model.kind gpt)"
+                )
+            if self.model.n_head % mp:
+                raise ValueError(
+                    f"model.n_head: {self.model.n_head} is not divisible by resources.mp {mp}"
+                )
+            if self.model.vocab_size % mp:
+                raise ValueError(
+                    f"model.vocab_size: {self.model.vocab_size} is not divisible by "
+                    f"resources.mp {mp}"
+                )
+        if self.data.kind == "text" and self.model.vocab_size < 256:
+            raise ValueError("model.vocab_size: text data is bytes, needs vocab_size >= 256")
+        return self
+
+    def zero_config(self) -> ZeroConfig:
+        cfg = dict(self.engine)
+        cfg.setdefault("train_micro_batch_size", self.micro_batch)
+        return ZeroConfig.from_dict(cfg)
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.dp * self.resources.mp
