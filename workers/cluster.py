@@ -45,10 +45,14 @@ def start_local_ray(
     num_cpus: float, workdir: str | Path, num_gpus: int = 0, resources: dict | None = None
 ):
     """A private local Ray instance on loopback (tests, the demo, ``zeroservice up``)."""
-    import ray
-
     workdir = Path(workdir)
     os.environ.update(loopback_env(workdir / "home"))
+    import ray
+    from ray._private import ray_constants
+
+    # Read by Ray at import: if Ray was imported before the variable was set, apply it
+    # now (Ray's own processes, started below, read it from the environment).
+    ray_constants.ENABLE_RAY_CLUSTER = False
     tmp = workdir / "ray"
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(tmp)

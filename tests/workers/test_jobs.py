@@ -137,3 +137,65 @@ def test_frozen_rank_is_named_by_the_watchdog(local_ray, tmp_path):
     # Detected within the step timeout plus the polling slack (a poll is <= 2 s).
     assert detected < step_timeout + 10
     ray.kill(handle)
+
+
+def _scrape(target: str) -> dict:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://{target}/metrics", timeout=5).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_rank_metrics_are_scraped_with_labels_and_equal_the_ledger(local_ray, tmp_path):
+    ray = local_ray
+    spec = tiny_job(
+        steps=100_000,
+        resources={"dp": 2, "mp": 2, "cpus_per_rank": 0.5},
+        checkpoint={"interval_steps": 5},
+        engine={"stage": 1, "bucket_elements": 4096},
+    )
+    from workers.jobs import launch, stop
+
+    handle = launch("metrics", spec, tmp_path / "ckpt")
+    _wait_for(lambda: ray.get(handle.status.remote())["step"] >= 5, 120, "one chunk")
+    targets = ray.get(handle.targets.remote())
+    assert len(targets) == 4
+    ranks = ray.get(handle.ranks.remote())
+    ledgers = ray.get(handle.metrics.remote())
+    seen = set()
+    for target, rank in zip(targets, ranks, strict=True):
+        assert target["labels"] == {"job_id": "metrics"}
+        (address,) = target["targets"]
+        assert address.startswith("127.0.0.1:")
+        families = _scrape(address)
+        memory = {s.labels["kind"]: s.value for s in families["zeroservice_memory_bytes"].samples}
+        labels = families["zeroservice_memory_bytes"].samples[0].labels
+        assert labels["job_id"] == "metrics" and labels["rank"] == str(rank["rank"])
+        assert labels["dp_rank"] == str(rank["rank"] // 2)
+        assert labels["mp_rank"] == str(rank["rank"] % 2)
+        assert labels["node"].startswith("127.0.0.1/")
+        seen.add((labels["dp_rank"], labels["mp_rank"]))
+        ledger = ledgers[str(rank["rank"])]["ledger"]
+        assert memory["params"] == ledger["params"]
+        assert memory["grads"] == ledger["grads"]
+        assert memory["master"] == ledger["master"]
+        assert memory["optimizer"] == ledger["optimizer_states"] + ledger["optimizer_other"]
+        expected = families["zeroservice_memory_expected_bytes"].samples[0].value
+        assert expected == ledger["expected_padded"]
+        held = families["zeroservice_model_state_bytes"].samples[0].value
+        assert held == ledger["model_states"] == expected
+        ops = {
+            (s.labels["op"], s.labels["group"])
+            for s in families["zeroservice_collective_bytes"].samples
+        }
+        assert ("reduce_scatter", "dp") in ops and ("all_reduce", "mp") in ops
+        assert families["zeroservice_tflops"].samples[0].value > 0
+        assert 0 < families["zeroservice_mfu"].samples[0].value < 1
+        steps = families["zeroservice_step_seconds"].samples
+        assert any(s.name == "zeroservice_step_seconds_count" and s.value >= 5 for s in steps)
+        assert families["zeroservice_workers"].samples[0].value == 4
+        assert families["zeroservice_tokens"].samples[0].value > 0
+        assert "step" not in labels
+    assert seen == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
+    assert stop("metrics") == "cancelled"
