@@ -185,6 +185,13 @@ class JobSpec(_Strict):
     peak_tflops: float | None = Field(None, gt=0, le=100_000)
     """Peak dense TFLOPS of one rank's device for MFU (default: from the device table)."""
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _gpt_by_default(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "kind" not in value:
+            return {"kind": "gpt", **value}
+        return value
+
     @field_validator("engine")
     @classmethod
     def _engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:

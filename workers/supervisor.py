@@ -132,8 +132,8 @@ class JobSupervisor:
         """Each rank of the current group: address, pid, node, metrics endpoint."""
         with self._lock:
             group = self._group
-            if group is None:
-                return []
+            if group is None or not all(group.info):
+                return []  # not started yet
             return [
                 {**addr, **info, "rank": r}
                 for r, (addr, info) in enumerate(zip(group.addresses, group.info, strict=True))

@@ -22,8 +22,31 @@ def tiny_job(**overrides: Any) -> JobSpec:
         "timeouts": {"bootstrap_s": 60, "step_s": 60},
     }
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(body.get(key), dict):
+        replaces_model = key == "model" and value.get("kind", "gpt") != "gpt"
+        if isinstance(value, dict) and isinstance(body.get(key), dict) and not replaces_model:
             body[key] = {**body[key], **value}
         else:
             body[key] = value
     return JobSpec.model_validate(body)
+
+
+def tiny_model(dim: int = 16, vocab: int = 256):
+    """A model factory for the ``factory`` kind: ``forward(inputs, targets)`` -> loss."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Bigram(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+            self.out = nn.Linear(dim, vocab)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return F.cross_entropy(self.out(h).reshape(-1, vocab), y.reshape(-1))
+
+    return Bigram()

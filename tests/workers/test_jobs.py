@@ -199,3 +199,46 @@ def test_rank_metrics_are_scraped_with_labels_and_equal_the_ledger(local_ray, tm
         assert "step" not in labels
     assert seen == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
     assert stop("metrics") == "cancelled"
+
+
+def test_gpu_ranks_each_see_their_own_declared_gpu(local_ray, tmp_path):
+    """On a cluster whose GPUs are declared but absent, GPU ranks are placed one GPU
+    each (Ray sets CUDA_VISIBLE_DEVICES) and, finding no CUDA, train on gloo."""
+    ray = local_ray
+    spec = tiny_job(steps=4, resources={"dp": 2, "gpus_per_rank": 1, "cpus_per_rank": 0.5})
+    from workers.jobs import launch
+
+    handle = launch("gpus", spec, tmp_path / "ckpt")
+    seen = _wait_for(lambda: ray.get(handle.ranks.remote()), 120, "ranks")
+    gpus = [tuple(r["gpus"]) for r in seen]
+    assert sorted(gpus) == [(0,), (1,)] or len(set(gpus)) == 2
+    assert ray.get(handle.wait.remote(120)) == "succeeded"
+    ray.kill(handle)
+
+
+def test_transformers_model_job(local_ray, tmp_path):
+    ray = local_ray
+    spec = tiny_job(
+        steps=4,
+        model={
+            "kind": "transformers",
+            "architecture": "GPT2LMHeadModel",
+            "vocab_size": 256,
+            "seq_len": 16,
+            "config": {
+                "n_layer": 2,
+                "n_head": 2,
+                "n_embd": 32,
+                "vocab_size": 256,
+                "n_positions": 16,
+            },
+        },
+        engine={"stage": 3, "bucket_elements": 4096},
+    )
+    handle, status = _run(ray, "hf", spec, tmp_path / "ckpt")
+    assert status == "succeeded", ray.get(handle.status.remote())
+    ledgers = ray.get(handle.metrics.remote())
+    assert all(
+        s["ledger"]["model_states"] == s["ledger"]["expected_padded"] for s in ledgers.values()
+    )
+    ray.kill(handle)

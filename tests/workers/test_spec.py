@@ -1,0 +1,126 @@
+"""The job spec refuses bad input by field, before anything is placed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tests.workers.jobs import tiny_job
+from workers.build import build_dataset, build_model, optimizer_factory
+from workers.spec import JobSpec
+
+
+def _error(body) -> str:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(body)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"stepz": 3}, "stepz"),
+        ({"steps": -1}, "steps"),
+        ({"steps": "many"}, "steps"),
+        ({"micro_batch": 10**9}, "micro_batch"),
+        ({"resources": {"dp": 0}}, "resources.dp"),
+        ({"resources": {"dp": 2, "min_dp": 3}}, "min_dp <= dp <= max_dp"),
+        ({"resources": {"dp": 4, "max_dp": 2}}, "min_dp <= dp <= max_dp"),
+        ({"resources": {"gpus_per_rank": 2}}, "gpus_per_rank"),
+        ({"resources": {"cpus_per_rank": 0}}, "cpus_per_rank"),
+        ({"resources": {"mp": 3}, "model": {"n_head": 4}}, "n_head: 4 is not divisible"),
+        (
+            {"resources": {"mp": 2}, "model": {"vocab_size": 255, "n_head": 4}},
+            "vocab_size: 255 is not divisible",
+        ),
+        (
+            {
+                "resources": {"mp": 2},
+                "model": {"kind": "factory", "factory": "a.b:c", "vocab_size": 8},
+            },
+            "model parallelism needs the reference GPT",
+        ),
+        ({"model": {"dim": 30, "n_head": 4}}, "model.dim: 30 is not divisible by n_head 4"),
+        (
+            {"model": {"kind": "factory", "factory": "not a path", "vocab_size": 8}},
+            "package.module:function",
+        ),
+        ({"model": {"kind": "nope"}}, "model"),
+        ({"engine": {"stage": 5}}, "engine.stage"),
+        ({"engine": {"stag": 1}}, "stag: unknown ZeroConfig field"),
+        ({"engine": {"partition_activations": True}}, "partition_activations"),
+        ({"data": {"kind": "text"}}, "data.path: required"),
+        ({"data": {"kind": "synthetic", "path": "x"}}, "synthetic data reads no file"),
+        ({"optimizer": {"lr": -1}}, "optimizer.lr"),
+        ({"optimizer": {"betas": [0.9, 1.5]}}, "beta"),
+        ({"timeouts": {"step_s": 0}}, "timeouts.step_s"),
+        ({"name": "bad/name"}, "name"),
+    ],
+)
+def test_bad_specs_name_the_field(body, needle):
+    assert needle in _error(body)
+
+
+def test_defaults_and_round_trip():
+    spec = tiny_job(resources={"dp": 2, "mp": 2})
+    again = JobSpec.model_validate_json(spec.model_dump_json())
+    assert again == spec
+    assert spec.world_size == 4
+    assert spec.resources.lowest_dp == spec.resources.highest_dp == 2
+    assert spec.zero_config().stage == 2
+
+
+def test_builds_each_model_kind_and_dataset(tmp_path):
+    gpt = tiny_job()
+    model, init = build_model(gpt, None)
+    x = torch.randint(0, 256, (2, 16))
+    assert model(x, x).ndim == 0 and init is None
+    hf = tiny_job(
+        model={
+            "kind": "transformers",
+            "architecture": "GPT2LMHeadModel",
+            "vocab_size": 256,
+            "seq_len": 16,
+            "config": {
+                "n_layer": 1,
+                "n_head": 2,
+                "n_embd": 32,
+                "vocab_size": 256,
+                "n_positions": 16,
+            },
+        }
+    )
+    loss = build_model(hf, None)[0](x, x)
+    assert loss.ndim == 0 and loss.item() > 0
+    factory = tiny_job(
+        model={
+            "kind": "factory",
+            "factory": "tests.workers.jobs:tiny_model",
+            "kwargs": {"dim": 16},
+            "vocab_size": 256,
+            "seq_len": 16,
+        }
+    )
+    assert build_model(factory, None)[0](x, x).ndim == 0
+    missing = tiny_job(
+        model={"kind": "factory", "factory": "tests.workers.jobs:nope", "vocab_size": 256}
+    )
+    with pytest.raises(ValueError, match="cannot import tests.workers.jobs:nope"):
+        build_model(missing, None)
+    # Datasets: bytes of a text file, and a uint16 token file checked against the vocabulary.
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    ds = build_dataset(tiny_job(data={"kind": "text", "path": str(text)}))
+    assert ds.sample(3).shape == (17,)
+    tokens = tmp_path / "t.bin"
+    np.arange(1000, dtype="<u2").__mod__(256).astype("<u2").tofile(tokens)
+    ds = build_dataset(tiny_job(data={"kind": "tokens", "path": str(tokens)}))
+    assert int(ds.sample(5).max()) < 256
+    np.full(100, 300, dtype="<u2").tofile(tokens)
+    ds = build_dataset(tiny_job(data={"kind": "tokens", "path": str(tokens)}))
+    with pytest.raises(ValueError, match="token id 300 .* outside the vocabulary"):
+        ds.sample(0)
+    opt = optimizer_factory(tiny_job(optimizer={"type": "sgd", "lr": 0.1, "momentum": 0.9}))
+    assert isinstance(opt([torch.nn.Parameter(torch.zeros(2))]), torch.optim.SGD)
