@@ -21,22 +21,32 @@ _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class GPTModelSpec(_Strict):
     """The reference GPT (zeroservice.models.GPT); tensor parallel when mp > 1."""
 
     kind: Literal["gpt"] = "gpt"
+    """Selects the reference GPT (the default when ``kind`` is absent)."""
     vocab_size: int = Field(8192, ge=2, le=1_048_576)
+    """Vocabulary size (divisible by mp with model parallelism)."""
     seq_len: int = Field(128, ge=1, le=1_048_576)
+    """Tokens per sample (the position table size)."""
     n_layer: int = Field(4, ge=1, le=1024)
+    """Transformer blocks."""
     n_head: int = Field(4, ge=1, le=1024)
+    """Attention heads (divisible by mp)."""
     dim: int = Field(256, ge=1, le=65_536)
+    """Model width (divisible by n_head)."""
     mlp_ratio: int = Field(4, ge=1, le=64)
+    """MLP hidden width as a multiple of dim."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability (recomputation replays the same masks)."""
     tie_weights: bool = True
+    """Share the token embedding with the output head."""
     bias: bool = True
+    """Biases in the linear layers."""
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> GPTModelSpec:
@@ -52,12 +62,15 @@ class TransformersModelSpec(_Strict):
     """A causal language model from ``transformers``, built from a config (no download)."""
 
     kind: Literal["transformers"]
+    """Selects a transformers model."""
     architecture: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9]*ForCausalLM$|^GPT2LMHeadModel$")
     """e.g. GPT2LMHeadModel, LlamaForCausalLM."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Arguments of the architecture's config class (n_layer, hidden_size, ...)."""
     seq_len: int = Field(128, ge=1, le=1_048_576)
+    """Tokens per sample."""
     vocab_size: int = Field(ge=2, le=1_048_576)
+    """Vocabulary size (must equal the config's)."""
 
 
 class FactoryModelSpec(_Strict):
@@ -65,10 +78,15 @@ class FactoryModelSpec(_Strict):
     ``forward(inputs, targets)`` returns the mean loss."""
 
     kind: Literal["factory"]
+    """Selects a model built by an importable function."""
     factory: str
+    """``package.module:function``, importable on every worker."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the factory (JSON)."""
     seq_len: int = Field(128, ge=1, le=1_048_576)
+    """Tokens per sample."""
     vocab_size: int = Field(ge=2, le=1_048_576)
+    """Vocabulary size (token ids are checked against it)."""
 
     @field_validator("factory")
     @classmethod
@@ -89,9 +107,13 @@ class DataSpec(_Strict):
     of little-endian uint16 or uint32 ids."""
 
     kind: Literal["synthetic", "text", "tokens"] = "synthetic"
+    """synthetic, text or tokens."""
     path: str | None = None
+    """File to read (text and tokens); readable by every worker."""
     dtype: Literal["uint16", "uint32"] = "uint16"
+    """Id width of a tokens file."""
     seed: int = Field(0, ge=0)
+    """Seed of the sample order (and of the synthetic chain)."""
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> DataSpec:
@@ -104,11 +126,17 @@ class DataSpec(_Strict):
 
 class OptimizerSpec(_Strict):
     type: Literal["adamw", "adam", "sgd"] = "adamw"
+    """adamw (decoupled weight decay), adam or sgd."""
     lr: float = Field(3e-4, gt=0, le=10)
+    """Base learning rate (the engine schedule multiplies it)."""
     weight_decay: float = Field(0.0, ge=0, le=10)
+    """Weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas, each in [0, 1)."""
     eps: float = Field(1e-8, gt=0, le=1)
+    """Adam epsilon."""
     momentum: float = Field(0.0, ge=0, lt=1)
+    """SGD momentum."""
 
     @field_validator("betas")
     @classmethod
@@ -128,7 +156,9 @@ class ResourcesSpec(_Strict):
     max_dp: int | None = Field(None, ge=1, le=4096)
     """The job grows back up to this many replicas when capacity returns (default: dp)."""
     gpus_per_rank: Literal[0, 1] = 0
+    """1: each rank takes one GPU (NCCL); 0: CPU ranks (gloo)."""
     cpus_per_rank: float = Field(1.0, gt=0, le=256)
+    """CPUs reserved per rank (fractions let ranks share cores)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> ResourcesSpec:
@@ -153,6 +183,7 @@ class CheckpointSpec(_Strict):
     interval_steps: int = Field(50, ge=1, le=10**9)
     """Save every this many optimizer steps (and at the end)."""
     keep: int = Field(2, ge=1, le=1000)
+    """Complete checkpoints kept (older ones are pruned)."""
     dir: str | None = None
     """Root directory (default: the service's data directory / job id)."""
 
@@ -168,20 +199,30 @@ class JobSpec(_Strict):
     """A training job, as submitted."""
 
     name: str = Field("job", min_length=1, max_length=128, pattern=r"^[\w.\- ]+$")
+    """A label for people (letters, digits, spaces, . _ -)."""
     model: ModelSpec = Field(default_factory=GPTModelSpec)
+    """What to train."""
     data: DataSpec = Field(default_factory=DataSpec)
+    """What to train on."""
     engine: dict[str, Any] = Field(default_factory=dict)
     """ZeroConfig fields (stage, precision, buckets, prefetch, activation
     checkpointing, offload, gradient_accumulation_steps, clipping, lr_schedule...)."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    """The optimizer run on each rank's fp32 shards."""
     steps: int = Field(100, ge=1, le=10**9)
+    """Optimizer steps to train."""
     micro_batch: int = Field(8, ge=1, le=65_536)
     """Samples per DP replica per micro-batch."""
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """Ranks and what each takes."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """When to save and how many to keep."""
     timeouts: TimeoutsSpec = Field(default_factory=TimeoutsSpec)
+    """Bootstrap and hang-watchdog limits."""
     max_restarts: int = Field(3, ge=0, le=1000)
+    """Restarts (worker loss, stalls, failed starts) before the job fails."""
     seed: int = Field(0, ge=0)
+    """Seed of the initial weights."""
     peak_tflops: float | None = Field(None, gt=0, le=100_000)
     """Peak dense TFLOPS of one rank's device for MFU (default: from the device table)."""
 

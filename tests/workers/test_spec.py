@@ -124,3 +124,42 @@ def test_builds_each_model_kind_and_dataset(tmp_path):
         ds.sample(0)
     opt = optimizer_factory(tiny_job(optimizer={"type": "sgd", "lr": 0.1, "momentum": 0.9}))
     assert isinstance(opt([torch.nn.Parameter(torch.zeros(2))]), torch.optim.SGD)
+
+
+def test_every_spec_field_and_metric_family_is_documented():
+    from pathlib import Path
+
+    from workers.metrics import FAMILIES
+    from workers.spec import (
+        CheckpointSpec,
+        DataSpec,
+        FactoryModelSpec,
+        GPTModelSpec,
+        OptimizerSpec,
+        ResourcesSpec,
+        TimeoutsSpec,
+        TransformersModelSpec,
+    )
+
+    docs = Path(__file__).parents[2] / "docs"
+    config = (docs / "configuration.md").read_text()
+    prefixed = {
+        "": JobSpec,
+        "model.": GPTModelSpec,
+        "data.": DataSpec,
+        "optimizer.": OptimizerSpec,
+        "resources.": ResourcesSpec,
+        "checkpoint.": CheckpointSpec,
+        "timeouts.": TimeoutsSpec,
+    }
+    missing = [
+        f"{prefix}{name}"
+        for prefix, model in prefixed.items()
+        for name in model.model_fields
+        if f"`{prefix}{name}`" not in config
+    ]
+    for model in (TransformersModelSpec, FactoryModelSpec):
+        missing += [f"model.{n}" for n in model.model_fields if f"`model.{n}`" not in config]
+    assert not missing
+    metrics = (docs / "metrics.md").read_text()
+    assert [f for f in FAMILIES if f"`{f}`" not in metrics] == []
