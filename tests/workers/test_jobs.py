@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -242,3 +244,57 @@ def test_transformers_model_job(local_ray, tmp_path):
         s["ledger"]["model_states"] == s["ledger"]["expected_padded"] for s in ledgers.values()
     )
     ray.kill(handle)
+
+
+def _ray_pids() -> set[int]:
+    pids = set()
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{proc}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"ray" in cmd or b"zeroservice" in cmd:
+            pids.add(int(proc))
+    return pids
+
+
+def _remote_addresses(pids: set[int]) -> set[str]:
+    """Remote ends of every TCP socket the given processes hold (IPv4 and IPv6)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    remotes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[9] not in inodes or cols[3] == "0A":  # 0A: listening
+                continue
+            host = cols[2].split(":")[0]
+            raw = b"".join(bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8))
+            addr = ipaddress.ip_address(raw)
+            if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+                addr = addr.ipv4_mapped
+            remotes.add(str(addr))
+    return remotes
+
+
+def test_everything_stays_on_loopback(local_ray, tmp_path):
+    """While a job trains, every TCP connection of Ray's and the ranks' processes has a
+    loopback peer: no cloud-metadata probe, no external interface."""
+    ray = local_ray
+    from workers.jobs import launch, stop
+
+    handle = launch("loopback", tiny_job(steps=100_000), tmp_path / "ckpt")
+    _wait_for(lambda: ray.get(handle.status.remote())["step"] >= 4, 120, "training")
+    remotes = _remote_addresses(_ray_pids())
+    assert remotes, "no connections found: the check would prove nothing"
+    assert all(ipaddress.ip_address(r).is_loopback for r in remotes), remotes
+    assert stop("loopback") == "cancelled"
