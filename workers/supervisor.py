@@ -81,6 +81,7 @@ class JobSupervisor:
         self._lock = threading.RLock()
         self._status, self._reason, self._message = "queued", "submitted", ""
         self._events: list[dict[str, Any]] = []
+        self._log: list[str] = []
         self._losses: dict[int, float] = {}
         self._restarts = 0
         self._dp = 0
@@ -124,6 +125,21 @@ class JobSupervisor:
         with self._lock:
             return [dict(e) for e in self._events[since:]]
 
+    def logs(self, since: int = 0) -> list[str]:
+        """Progress lines (one per chunk of steps) and every event, time-stamped."""
+        with self._lock:
+            return list(self._log[since:])
+
+    def poll(self, events_since: int = 0, logs_since: int = 0) -> dict[str, Any]:
+        """Everything the control plane syncs, in one call."""
+        return {
+            "status": self.status(),
+            "events": self.events(events_since),
+            "logs": self.logs(logs_since),
+            "metrics": self.metrics(),
+            "targets": self.targets(),
+        }
+
     def losses(self) -> dict[int, float]:
         with self._lock:
             return dict(self._losses)
@@ -166,7 +182,12 @@ class JobSupervisor:
         return self._status
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _line(self, text: str) -> None:
+        with self._lock:
+            self._log.append(f"{_now()} {text}")
+
     def _event(self, kind: str, reason: str, message: str, **extra: Any) -> None:
+        self._line(f"[{kind}/{reason}] {message}")
         with self._lock:
             self._events.append(
                 {
@@ -350,10 +371,18 @@ class JobSupervisor:
         step = self._step
         while step < spec.steps:
             target = min(spec.steps, (step // interval + 1) * interval)
+            t0 = time.monotonic()
             outcome, results = self._watch(group, [a.train.remote(target) for a in group.actors])
             if outcome is not None:
                 return outcome
             self._record(group, results)
+            seconds = time.monotonic() - t0
+            accum = spec.zero_config().gradient_accumulation_steps
+            tokens = (target - step) * spec.micro_batch * accum * spec.model.seq_len * self._dp
+            self._line(
+                f"step {target}/{spec.steps} loss {self._losses.get(target, float('nan')):.4f} "
+                f"{tokens / seconds:,.0f} tokens/s dp {self._dp}"
+            )
             step = target
             outcome, paths = self._watch(
                 group, [a.save.remote(spec.checkpoint.keep) for a in group.actors]

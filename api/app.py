@@ -1,0 +1,306 @@
+"""The REST control plane (FastAPI): jobs, events, logs, metrics, plans, cluster, tenants.
+
+Every /v1 route needs a bearer token; a tenant sees and cancels only its own jobs
+(another tenant's job answers 404, as a job that does not exist); admin tokens see
+every tenant's jobs and create tenants and tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from . import store
+from .auth import Principal, bearer
+from .backend import Backend
+from .db import make_engine, session_factory
+from .metrics import ApiMetrics
+from .migrate import upgrade
+from .plan import PlanRefused, plan_job
+from .scheduler import ACTIVE, Scheduler
+from .schemas import (
+    STATUSES,
+    TERMINAL,
+    ClusterOut,
+    EventOut,
+    JobList,
+    JobOut,
+    JobSubmit,
+    LogLine,
+    MetricsOut,
+    PlanRequest,
+    TenantCreate,
+    TokenCreate,
+    TokenOut,
+)
+from .settings import Settings
+
+API_VERSION = "v1"
+
+
+class Service:
+    """What the routes share: settings, the store, the backend, the scheduler."""
+
+    def __init__(self, settings: Settings, backend: Backend, start_scheduler: bool = True):
+        self.settings, self.backend = settings, backend
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = make_engine(settings.database_url)
+        upgrade(self.engine)
+        self.sessions = session_factory(self.engine)
+        self.metrics = ApiMetrics(self._live_metrics)
+        self.scheduler = Scheduler(self.sessions, backend, settings, self.metrics)
+        self.start_scheduler = start_scheduler
+        with self.sessions() as session:
+            self.bootstrap_token = store.bootstrap_admin(session)
+
+    def _live_metrics(self) -> dict[str, Any]:
+        with self.sessions() as session:
+            jobs = store.count_by_status(session)
+            workers = {
+                j.id: j.current_dp * int(j.spec.get("resources", {}).get("mp", 1))
+                for j in store.jobs_in(session, ACTIVE)
+            }
+        try:
+            cap = self.backend.capacity()
+            total, free = cap.total, cap.free
+        except Exception:
+            total, free = {}, {}
+        return {"jobs": jobs, "workers": workers, "total": total, "free": free}
+
+
+def create_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if service.start_scheduler:
+            service.scheduler.start()
+        yield
+        service.scheduler.stop()
+
+    app = FastAPI(
+        title="zeroservice",
+        version="0.1.0",
+        description="Train PyTorch models with ZeRO on Ray: jobs, events, metrics, plans.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        service.metrics.requests.labels(request.method, path, str(response.status_code)).inc()
+        service.metrics.latency.labels(request.method, path).observe(time.perf_counter() - t0)
+        if response.status_code >= 400:
+            service.metrics.errors.labels(path, str(response.status_code)).inc()
+        return response
+
+    def session() -> Iterator[Session]:
+        with service.sessions() as s:
+            yield s
+
+    Db = Annotated[Session, Depends(session)]
+
+    def principal(request: Request, db: Db) -> Principal:
+        token = bearer(request.headers.get("authorization"))
+        who = store.authenticate(db, token) if token else None
+        if who is None:
+            raise HTTPException(
+                401,
+                "missing or invalid bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return who
+
+    Who = Annotated[Principal, Depends(principal)]
+
+    def admin(who: Who) -> Principal:
+        if not who.admin:
+            raise HTTPException(403, "an admin token is required")
+        return who
+
+    def job_or_404(db: Session, who: Principal, job_id: str):
+        job = store.get_job(db, who, job_id)
+        if job is None:
+            raise HTTPException(404, f"job {job_id} not found")
+        return job
+
+    def out(db: Session, job, with_spec: bool = False) -> JobOut:
+        names = store.tenant_names(db, {job.tenant_id})
+        return store.to_out(job, names.get(job.tenant_id, "?"), with_spec)
+
+    # -- health --------------------------------------------------------------------------
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    def readyz(db: Db) -> JSONResponse:
+        problems = []
+        try:
+            db.execute(text("SELECT 1"))
+        except Exception as exc:
+            problems.append(f"database: {exc}")
+        if service.start_scheduler and not service.scheduler.alive:
+            problems.append("scheduler: not running")
+        if service.scheduler.last_error:
+            problems.append(f"scheduler: {service.scheduler.last_error}")
+        try:
+            service.backend.capacity()
+        except Exception as exc:
+            problems.append(f"cluster: {exc}")
+        body = {"status": "ready" if not problems else "not ready", "problems": problems}
+        return JSONResponse(body, status_code=200 if not problems else 503)
+
+    @app.get("/metrics", tags=["health"])
+    def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- jobs ----------------------------------------------------------------------------
+    @app.post("/v1/jobs", status_code=201, response_model=JobOut, tags=["jobs"])
+    def submit(body: JobSubmit, db: Db, who: Who, response: Response) -> JobOut:
+        try:
+            plan_job(body.spec, service.settings)
+        except PlanRefused as refused:
+            raise HTTPException(422, refused.detail) from None
+        created = store.submit(
+            db,
+            who,
+            body.spec.model_dump(mode="json"),
+            body.spec.name,
+            body.submission_id,
+            body.priority,
+        )
+        if not created.created:
+            response.status_code = 200
+        return out(db, created.job, with_spec=True)
+
+    @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
+    def list_jobs(
+        db: Db,
+        who: Who,
+        status: Annotated[str | None, Query(description="one of " + ", ".join(STATUSES))] = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+    ) -> JobList:
+        if status is not None and status not in STATUSES:
+            raise HTTPException(422, f"status: {status!r} is not one of {', '.join(STATUSES)}")
+        jobs, total = store.list_jobs(db, who, status, limit, offset)
+        names = store.tenant_names(db, {j.tenant_id for j in jobs})
+        items = [store.to_out(j, names.get(j.tenant_id, "?")) for j in jobs]
+        more = offset + len(items) < total
+        return JobList(
+            items=items,
+            total=total,
+            limit=limit,
+            offset=offset,
+            next_offset=offset + len(items) if more else None,
+        )
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
+    def get_job(job_id: str, db: Db, who: Who) -> JobOut:
+        return out(db, job_or_404(db, who, job_id), with_spec=True)
+
+    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
+    def cancel(job_id: str, db: Db, who: Who) -> JobOut:
+        job = job_or_404(db, who, job_id)
+        if job.status in TERMINAL:
+            raise HTTPException(409, f"job {job_id} is already {job.status}")
+        if job.status == "queued":
+            store.set_status(db, job, "cancelled", "cancelled", f"cancelled by {who.tenant}")
+            db.commit()
+        else:
+            service.backend.cancel(job.id, f"cancelled by {who.tenant}")
+            store.add_event(db, job, "request", "cancel", f"cancel requested by {who.tenant}")
+            db.commit()
+        return out(db, job)
+
+    @app.get("/v1/jobs/{job_id}/events", response_model=list[EventOut], tags=["jobs"])
+    def events(
+        job_id: str,
+        db: Db,
+        who: Who,
+        after: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    ) -> list[EventOut]:
+        job = job_or_404(db, who, job_id)
+        return [
+            EventOut(
+                id=e.id, time=e.time, kind=e.kind, reason=e.reason, message=e.message, data=e.data
+            )
+            for e in store.events(db, job, after, limit)
+        ]
+
+    @app.get("/v1/jobs/{job_id}/logs", response_model=list[LogLine], tags=["jobs"])
+    def logs(
+        job_id: str,
+        db: Db,
+        who: Who,
+        after: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+    ) -> list[LogLine]:
+        job = job_or_404(db, who, job_id)
+        return [LogLine(id=x.id, time=x.time, line=x.line) for x in store.logs(db, job, after, limit)]
+
+    @app.get("/v1/jobs/{job_id}/metrics", response_model=MetricsOut, tags=["jobs"])
+    def job_metrics(job_id: str, db: Db, who: Who) -> MetricsOut:
+        job = job_or_404(db, who, job_id)
+        live = False
+        ranks = job.metrics or {}
+        if job.status in ACTIVE:
+            snap = service.backend.poll(job.id, 10**9, 10**9)
+            if snap is not None and snap.get("metrics"):
+                ranks, live = snap["metrics"], True
+        return MetricsOut(job_id=job.id, step=job.step, ranks=ranks, live=live)
+
+    # -- planning and the cluster ----------------------------------------------------------
+    @app.post("/v1/plan", tags=["plan"])
+    def plan(body: PlanRequest, who: Who) -> dict[str, Any]:
+        return plan_job(body.spec, service.settings, body.device_memory_gib, refuse=False)
+
+    @app.get("/v1/cluster", response_model=ClusterOut, tags=["cluster"])
+    def cluster(who: Who) -> ClusterOut:
+        cap = service.backend.capacity()
+        return ClusterOut(
+            total=cap.total, free=cap.free, nodes=cap.nodes, requested=cap.requested
+        )
+
+    @app.get("/v1/targets", tags=["cluster"])
+    def targets(db: Db, who: Who) -> list[dict[str, Any]]:
+        """Prometheus HTTP service discovery: every active rank's metrics endpoint."""
+        found: list[dict[str, Any]] = []
+        for job in store.jobs_in(db, ACTIVE):
+            if not who.admin and job.tenant_id != who.tenant_id:
+                continue
+            snap = service.backend.poll(job.id, 10**9, 10**9)
+            for target in (snap or {}).get("targets", []):
+                found.append(target)
+        return found
+
+    # -- tenants and tokens (admin) ------------------------------------------------------
+    @app.post("/v1/tenants", status_code=201, tags=["admin"])
+    def create_tenant(body: TenantCreate, db: Db, who: Annotated[Principal, Depends(admin)]):
+        try:
+            tenant = store.create_tenant(db, body.name)
+        except store.Conflict as exc:
+            raise HTTPException(409, str(exc)) from None
+        return {"id": tenant.id, "name": tenant.name}
+
+    @app.post("/v1/tokens", status_code=201, response_model=TokenOut, tags=["admin"])
+    def create_token(body: TokenCreate, db: Db, who: Annotated[Principal, Depends(admin)]):
+        tenant = store.tenant_by_name(db, body.tenant)
+        if tenant is None:
+            raise HTTPException(404, f"tenant {body.tenant!r} not found")
+        token = store.create_token(db, tenant, body.admin, body.name)
+        return TokenOut(token=token, tenant=tenant.name, admin=body.admin, prefix=token[:10])
+
+    return app

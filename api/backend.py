@@ -1,0 +1,114 @@
+"""What the control plane asks of the cluster: capacity, launch, poll, cancel, and the
+autoscaler's requests. ``RayBackend`` is the real one; tests also use a fake."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from workers.spec import JobSpec
+
+
+@dataclass
+class Capacity:
+    total: dict[str, float]
+    free: dict[str, float]
+    nodes: int
+    requested: list[dict[str, float]] = field(default_factory=list)
+
+
+class Backend(Protocol):
+    def capacity(self) -> Capacity: ...
+
+    def fits(self, spec: JobSpec) -> bool:
+        """Whether the job's smallest size (min_dp replicas) fits the free resources."""
+        ...
+
+    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None: ...
+
+    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
+        """The supervisor's status, new events and log lines, metrics; None if it is gone."""
+        ...
+
+    def cancel(self, job_id: str, reason: str) -> None: ...
+
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        """Tell the autoscaler what the queue needs ([] withdraws the request)."""
+        ...
+
+
+def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
+    """The bundles of the job's smallest size: min_dp replicas of one MP group."""
+    from workers.placement import bundle
+
+    return [bundle(spec.resources)] * spec.resources.lowest_dp
+
+
+class RayBackend:
+    """Drives workers.jobs on the Ray cluster this process is connected to."""
+
+    def __init__(self) -> None:
+        self.requested: list[dict[str, float]] = []
+
+    def capacity(self) -> Capacity:
+        import ray
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        return Capacity(
+            dict(ray.cluster_resources()),
+            dict(ray.available_resources()),
+            len(nodes),
+            list(self.requested),
+        )
+
+    def fits(self, spec: JobSpec) -> bool:
+        from workers.placement import replicas_available
+
+        return replicas_available(spec.resources) >= spec.resources.lowest_dp
+
+    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+        from workers.jobs import launch
+
+        Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
+        launch(job_id, spec, checkpoint_root)
+
+    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
+        import ray
+
+        from workers.jobs import attach
+
+        handle = attach(job_id)
+        if handle is None:
+            return None
+        try:
+            return ray.get(handle.poll.remote(events_since, logs_since), timeout=30)
+        except Exception:
+            return None
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        import ray
+
+        from workers.jobs import attach
+
+        handle = attach(job_id)
+        if handle is not None:
+            ray.get(handle.cancel.remote(reason), timeout=30)
+
+    def forget(self, job_id: str) -> None:
+        """Remove a finished job's supervisor (its state is in the store by now)."""
+        import ray
+
+        from workers.jobs import attach
+
+        handle = attach(job_id)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        from ray.autoscaler.sdk import request_resources
+
+        if bundles == self.requested:
+            return
+        request_resources(bundles=bundles)
+        self.requested = list(bundles)

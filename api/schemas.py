@@ -1,0 +1,113 @@
+"""Request and response bodies of the REST API (the job spec itself is workers.spec)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.spec import JobSpec
+
+Status = Literal["queued", "starting", "running", "resizing", "succeeded", "failed", "cancelled"]
+STATUSES: tuple[str, ...] = Status.__args__  # type: ignore[attr-defined]
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class JobSubmit(_Body):
+    spec: JobSpec
+    """The job (see docs/configuration.md, "Job spec")."""
+    submission_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.\-:]+$")
+    """Chosen by the client: resubmitting the same id returns the first job (idempotent)."""
+    priority: int = Field(0, ge=-100, le=100)
+    """Higher is admitted first; equal priorities in order of submission."""
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    tenant: str
+    status: Status
+    reason: str
+    message: str
+    priority: int
+    submission_id: str | None
+    attempts: int
+    """Restarts so far."""
+    current_dp: int
+    step: int
+    steps: int
+    checkpoint_path: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime
+    spec: dict[str, Any] | None = None
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int
+    next_offset: int | None
+
+
+class EventOut(BaseModel):
+    id: int
+    time: datetime
+    kind: str
+    reason: str
+    message: str
+    data: dict[str, Any]
+
+
+class LogLine(BaseModel):
+    id: int
+    time: datetime
+    line: str
+
+
+class MetricsOut(BaseModel):
+    job_id: str
+    step: int
+    ranks: dict[str, Any]
+    """Per rank: memory by kind (ledger), loss, step seconds, TFLOPS."""
+    live: bool
+    """True when read from the running supervisor, False when the stored last snapshot."""
+
+
+class ClusterOut(BaseModel):
+    total: dict[str, float]
+    free: dict[str, float]
+    nodes: int
+    requested: list[dict[str, float]]
+    """Bundles asked of the autoscaler for the queue (empty when it drained)."""
+
+
+class PlanRequest(_Body):
+    spec: JobSpec
+    device_memory_gib: float | None = Field(None, gt=0, le=100_000)
+    """Memory per rank to check the plan against (default: the service's setting)."""
+
+
+class TenantCreate(_Body):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[\w.\-]+$")
+
+
+class TokenCreate(_Body):
+    tenant: str = Field(min_length=1, max_length=128)
+    admin: bool = False
+    name: str = Field("", max_length=128)
+
+
+class TokenOut(BaseModel):
+    token: str
+    """Shown once; only its digest is stored."""
+    tenant: str
+    admin: bool
+    prefix: str

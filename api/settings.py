@@ -1,0 +1,64 @@
+"""Service settings, from the environment (ZEROSERVICE_*), with local defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _data_dir() -> Path:
+    if "ZEROSERVICE_HOME" in os.environ:
+        return Path(os.environ["ZEROSERVICE_HOME"])
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "zeroservice"
+
+
+@dataclass
+class Settings:
+    data_dir: Path = field(default_factory=_data_dir)
+    database_url: str = ""
+    """SQLAlchemy URL; default: a SQLite file in the data directory."""
+    host: str = "127.0.0.1"
+    port: int = 8765
+    ray_address: str | None = None
+    """Ray cluster to join ("auto", "ray://...", host:port); None: already connected."""
+    checkpoint_root: str = ""
+    """Where jobs keep checkpoints (default: <data_dir>/checkpoints/<job id>)."""
+    scheduler_interval_s: float = 1.0
+    max_cluster: dict[str, float] = field(default_factory=lambda: {"CPU": 64.0, "GPU": 8.0})
+    """Upper bound of what the autoscaler is asked for, in total."""
+    device_memory_gib: float = 80.0
+    """Memory per GPU rank that submitted jobs' memory plans are checked against."""
+    cpu_rank_memory_gib: float = 16.0
+    """Memory per CPU rank for the same check."""
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'zeroservice.db'}"
+        if not self.checkpoint_root:
+            self.checkpoint_root = str(self.data_dir / "checkpoints")
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ
+        kwargs: dict = {}
+        if "ZEROSERVICE_DATABASE_URL" in env:
+            kwargs["database_url"] = env["ZEROSERVICE_DATABASE_URL"]
+        if "ZEROSERVICE_HOST" in env:
+            kwargs["host"] = env["ZEROSERVICE_HOST"]
+        if "ZEROSERVICE_PORT" in env:
+            kwargs["port"] = int(env["ZEROSERVICE_PORT"])
+        if "ZEROSERVICE_RAY_ADDRESS" in env:
+            kwargs["ray_address"] = env["ZEROSERVICE_RAY_ADDRESS"]
+        if "ZEROSERVICE_CHECKPOINT_ROOT" in env:
+            kwargs["checkpoint_root"] = env["ZEROSERVICE_CHECKPOINT_ROOT"]
+        if "ZEROSERVICE_MAX_CLUSTER" in env:
+            kwargs["max_cluster"] = json.loads(env["ZEROSERVICE_MAX_CLUSTER"])
+        if "ZEROSERVICE_DEVICE_MEMORY_GIB" in env:
+            kwargs["device_memory_gib"] = float(env["ZEROSERVICE_DEVICE_MEMORY_GIB"])
+        if "ZEROSERVICE_CPU_RANK_MEMORY_GIB" in env:
+            kwargs["cpu_rank_memory_gib"] = float(env["ZEROSERVICE_CPU_RANK_MEMORY_GIB"])
+        return cls(**kwargs)

@@ -1,0 +1,254 @@
+"""Operations on the job store, each in the caller's session.
+
+Tenancy is enforced here: a tenant's queries only ever see its own rows (an admin
+token sees every tenant's), so a route cannot leak another tenant's job by mistake.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from .auth import Principal, hash_token, new_token
+from .db import ApiToken, Job, JobEvent, JobLog, Tenant, utcnow
+from .schemas import TERMINAL, JobOut
+
+
+class Conflict(Exception):
+    """A name that must be unique is taken."""
+
+
+def authenticate(session: Session, token: str) -> Principal | None:
+    row = session.execute(
+        select(ApiToken, Tenant)
+        .join(Tenant, Tenant.id == ApiToken.tenant_id)
+        .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+    ).first()
+    if row is None:
+        return None
+    tok, tenant = row
+    return Principal(tenant.id, tenant.name, tok.admin, tok.id)
+
+
+def create_tenant(session: Session, name: str) -> Tenant:
+    tenant = Tenant(name=name)
+    session.add(tenant)
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        raise Conflict(f"tenant {name!r} exists") from None
+    return tenant
+
+
+def tenant_by_name(session: Session, name: str) -> Tenant | None:
+    return session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
+
+
+def create_token(session: Session, tenant: Tenant, admin: bool, name: str = "") -> str:
+    token = new_token()
+    session.add(
+        ApiToken(
+            tenant_id=tenant.id,
+            token_hash=hash_token(token),
+            prefix=token[:10],
+            admin=admin,
+            name=name,
+        )
+    )
+    session.commit()
+    return token
+
+
+def bootstrap_admin(session: Session) -> str | None:
+    """At first start (no token at all): an ``admin`` tenant and its admin token, which
+    is returned once; None when tokens exist."""
+    if session.execute(select(func.count(ApiToken.id))).scalar_one():
+        return None
+    tenant = tenant_by_name(session, "admin") or create_tenant(session, "admin")
+    return create_token(session, tenant, admin=True, name="bootstrap")
+
+
+@dataclass
+class Created:
+    job: Job
+    created: bool
+
+
+def submit(
+    session: Session,
+    who: Principal,
+    spec: dict[str, Any],
+    name: str,
+    submission_id: str | None,
+    priority: int,
+) -> Created:
+    """Store a queued job; with a submission id already used by this tenant, the
+    existing job instead (the unique constraint decides under concurrency)."""
+    if submission_id is not None:
+        found = _by_submission(session, who.tenant_id, submission_id)
+        if found is not None:
+            return Created(found, False)
+    now = utcnow()
+    job = Job(
+        id=str(uuid.uuid4()),
+        tenant_id=who.tenant_id,
+        submission_id=submission_id,
+        name=name,
+        spec=spec,
+        priority=priority,
+        status="queued",
+        reason="submitted",
+        message="waiting for capacity",
+        attempts=0,
+        current_dp=0,
+        step=0,
+        checkpoint_path="",
+        events_seen=0,
+        logs_seen=0,
+        metrics={},
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(job)
+    session.add(
+        JobEvent(
+            job_id=job.id, time=now, kind="status", reason="submitted", message="queued", data={}
+        )
+    )
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if submission_id is None:
+            raise
+        found = _by_submission(session, who.tenant_id, submission_id)
+        if found is None:
+            raise
+        return Created(found, False)
+    return Created(job, True)
+
+
+def _by_submission(session: Session, tenant_id: int, submission_id: str) -> Job | None:
+    return session.execute(
+        select(Job).where(Job.tenant_id == tenant_id, Job.submission_id == submission_id)
+    ).scalar_one_or_none()
+
+
+def _visible(who: Principal):
+    query = select(Job)
+    return query if who.admin else query.where(Job.tenant_id == who.tenant_id)
+
+
+def get_job(session: Session, who: Principal, job_id: str) -> Job | None:
+    return session.execute(_visible(who).where(Job.id == job_id)).scalar_one_or_none()
+
+
+def list_jobs(
+    session: Session, who: Principal, status: str | None, limit: int, offset: int
+) -> tuple[list[Job], int]:
+    query = _visible(who)
+    if status is not None:
+        query = query.where(Job.status == status)
+    total = session.execute(select(func.count()).select_from(query.subquery())).scalar_one()
+    rows = session.execute(
+        query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)
+    ).scalars()
+    return list(rows), int(total)
+
+
+def tenant_names(session: Session, ids: set[int]) -> dict[int, str]:
+    rows = session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(ids)))
+    return dict(rows.tuples().all())
+
+
+def to_out(job: Job, tenant: str, with_spec: bool = False) -> JobOut:
+    return JobOut(
+        id=job.id,
+        name=job.name,
+        tenant=tenant,
+        status=job.status,  # type: ignore[arg-type]
+        reason=job.reason,
+        message=job.message,
+        priority=job.priority,
+        submission_id=job.submission_id,
+        attempts=job.attempts,
+        current_dp=job.current_dp,
+        step=job.step,
+        steps=int(job.spec.get("steps", 0)),
+        checkpoint_path=job.checkpoint_path,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        updated_at=job.updated_at,
+        spec=job.spec if with_spec else None,
+    )
+
+
+def add_event(
+    session: Session, job: Job, kind: str, reason: str, message: str, data: dict | None = None
+) -> None:
+    session.add(
+        JobEvent(
+            job_id=job.id, time=utcnow(), kind=kind, reason=reason, message=message, data=data or {}
+        )
+    )
+
+
+def set_status(
+    session: Session, job: Job, status: str, reason: str, message: str, record: bool = True
+) -> None:
+    """Change a job's status; ``record``: also as an event (statuses synced from the
+    supervisor come with its own events)."""
+    if job.status == status and job.reason == reason and job.message == message:
+        return
+    now = utcnow()
+    job.status, job.reason, job.message, job.updated_at = status, reason, message, now
+    if status == "running" and job.started_at is None:
+        job.started_at = now
+    if status in TERMINAL and job.finished_at is None:
+        job.finished_at = now
+    if record:
+        add_event(session, job, "status", reason, f"{status}: {message}", {"status": status})
+
+
+def events(session: Session, job: Job, after: int, limit: int) -> list[JobEvent]:
+    return list(
+        session.execute(
+            select(JobEvent)
+            .where(JobEvent.job_id == job.id, JobEvent.id > after)
+            .order_by(JobEvent.id)
+            .limit(limit)
+        ).scalars()
+    )
+
+
+def logs(session: Session, job: Job, after: int, limit: int) -> list[JobLog]:
+    return list(
+        session.execute(
+            select(JobLog)
+            .where(JobLog.job_id == job.id, JobLog.id > after)
+            .order_by(JobLog.id)
+            .limit(limit)
+        ).scalars()
+    )
+
+
+def jobs_in(session: Session, statuses: tuple[str, ...]) -> list[Job]:
+    return list(
+        session.execute(
+            select(Job)
+            .where(Job.status.in_(statuses))
+            .order_by(Job.priority.desc(), Job.created_at, Job.id)
+        ).scalars()
+    )
+
+
+def count_by_status(session: Session) -> dict[str, int]:
+    rows = session.execute(select(Job.status, func.count()).group_by(Job.status)).tuples()
+    return {status: int(n) for status, n in rows}
