@@ -138,6 +138,11 @@ class BufferCache:
             self._free.setdefault(numel, []).append(buffer)
             self.idle_elements += numel
 
+    @property
+    def largest_idle(self) -> int:
+        """Elements of the largest idle buffer."""
+        return max((n for n, free in self._free.items() if free), default=0)
+
     def clear(self) -> None:
         """Drop the idle buffers (at the end of a pass: reuse is within a pass)."""
         self._free.clear()
@@ -429,6 +434,11 @@ class ParamGatherer:
     def cached_bytes(self) -> int:
         """Released buffers kept for reuse (see BufferCache)."""
         return self.cache.idle_elements * self.element_size
+
+    @property
+    def largest_cached_bytes(self) -> int:
+        """The largest released buffer kept for reuse (0 between passes)."""
+        return self.cache.largest_idle * self.element_size
 
     @property
     def peak_live_bytes(self) -> int:
