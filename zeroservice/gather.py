@@ -107,10 +107,12 @@ class BufferCache:
     glibc keeps such freed blocks in its heap, so the process grows well past what it
     uses (ZeRO-R's fragmentation, on the host). Reusing the buffers keeps the resident
     size at the gathered peak. Gradient staging at stage 3 borrows from the same cache
-    (the sizes are the units' sizes again). A buffer still referenced by a view (a
-    user kept a weight) is never reused, only dropped. Idle plus lent buffers stay
-    within the most ever lent at once (capped by ``limit``): the cache never raises
-    the high-water mark, it only keeps what the last peak will need again.
+    (the sizes are the units' sizes again), except for a unit larger than C_B, which
+    the reducer reduces in pieces through its own constant buffers. A buffer still
+    referenced by a view (a user kept a weight) is never reused, only dropped. Idle
+    plus lent buffers stay within the most ever lent at once (capped by ``limit``):
+    the cache never raises the high-water mark, it only keeps what the last peak will
+    need again.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, limit: int):

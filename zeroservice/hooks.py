@@ -12,7 +12,9 @@ Stages 0 and 1 keep a full gradient buffer per unit and make each ``param.grad``
 view of it, so autograd accumulates micro-batches in place and nothing is copied
 before the reduction. Stages 2 and 3 keep only the shard: each parameter's gradient
 is copied into a staging buffer as it arrives and released at once; the
-reduce-scatter output is added to the resident shard.
+reduce-scatter output is copied into the resident shard on the first micro-batch and
+added to it on the next ones. A unit larger than C_B is not staged whole: see
+[Note: constant buffers]. At most two staging buffers are in flight.
 
 [Note: constant buffers]
 Every staging buffer holds C_B = ``bucket_elements`` rounded up to a multiple of N
@@ -25,7 +27,9 @@ gradient (stages 0/1, reducing in fp32 from bf16/fp16), and reduced *piecewise*:
 each column block [c0, c1) of width at most C_B / N of the unit's (N, S) view, the
 block (N x w elements, zeros where no gradient exists: padding, or a parameter
 without a gradient) is copied into a staging buffer and reduce-scattered, and this
-rank's chunk lands in [c0, c1) of its gradient shard. The pieces of a unit are
+rank's chunk lands in [c0, c1) of its gradient shard (copied, or added after the
+first micro-batch, as for a whole unit). Unsharded reductions (stage 0, or a world
+of 1) are the case N = 1: contiguous pieces all-reduced. The pieces of a unit are
 issued one after the other, in column order, at the unit's place in the reduction
 order, so every rank issues the same collectives. Stages 0/1 without a cast reduce
 the full gradient in place and need no staging buffer at all; the ring's receive
