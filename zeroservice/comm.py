@@ -151,16 +151,19 @@ class Communicator:
     Reduce-scatter and all-gather work in place on a buffer of N equal chunks (see
     [Note: rings on gloo] in ring.py): natively where the backend is fast (NCCL),
     as point-to-point rings on gloo, whose own versions are 2-4x slower. The ledger
-    names the implementation of each entry.
+    names the implementation of each entry. ``ring_chunk`` caps the ring's receive
+    scratch (see RingComm).
     """
 
-    def __init__(self, group, ledger: CommLedger, impl: str = "auto"):
+    def __init__(
+        self, group, ledger: CommLedger, impl: str = "auto", ring_chunk: int | None = None
+    ):
         self.group, self.ledger = group, ledger
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
         use_ring = impl == "ring" or (impl == "auto" and self.backend == "gloo")
-        self.ring = RingComm(group) if use_ring and self.world > 1 else None
+        self.ring = RingComm(group, ring_chunk) if use_ring and self.world > 1 else None
 
     def _pending(self, wait, op, tag, payload, impl="native") -> Pending:
         self.ledger.launched += 1

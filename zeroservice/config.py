@@ -120,8 +120,10 @@ class ZeroConfig:
     bf16/fp16, gains accuracy)."""
     bucket_elements: int = 2**23
     """Constant size of the fused communication buffers and of parameter units, in
-    elements (the paper's C_B). A single parameter larger than this forms a unit of
-    its own."""
+    elements (the paper's C_B), rounded up to a multiple of the data-parallel world.
+    A single parameter larger than this forms a unit of its own; its gradient is
+    reduced in pieces of at most this size, so no staging buffer (nor the ring's
+    receive scratch) grows with the model."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; ``engine.step()`` is called after each one."""
     gradient_clipping: float = 0.0

@@ -24,7 +24,7 @@ from torch import nn
 from . import comm, construct
 from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_modules
 from .config import ConfigError, ZeroConfig
-from .flat import FlatUnit, build_units
+from .flat import FlatUnit, build_units, padded_size
 from .gather import BufferCache, ParamGatherer
 from .hooks import GradReducer
 from .memory import (
@@ -94,7 +94,12 @@ class Engine:
         self.policy = policy_for(config.stage, self.dp_world)
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
-        self.comm = comm.Communicator(group, self.ledger, config.collectives)
+        # C_B, a multiple of N_d: staging buffers hold it, the ring reduces C_B / N_d
+        # columns at a time. See [Note: constant buffers] in hooks.py.
+        block = padded_size(config.bucket_elements, self.dp_world)
+        self.comm = comm.Communicator(
+            group, self.ledger, config.collectives, ring_chunk=block // self.dp_world
+        )
         self.mp_group = mp_group
         self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
         self.mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
@@ -157,6 +162,7 @@ class Engine:
             overlap=config.overlap_comm,
             param_hooks=not self.policy.partitions_params,
             staging=cache if grad_comm_dtype == dtype else None,
+            bucket_elements=config.bucket_elements,
         )
         if self.policy.partitions_params:
             assert cache is not None
@@ -311,6 +317,11 @@ class Engine:
             comm_buffers=self.reducer.pool.resident_bytes
             + self.comm.buffer_bytes()
             + (self.gatherer.cached_bytes if self.gatherer else 0),
+            comm_buffer_largest=max(
+                self.reducer.pool.buffer_bytes,
+                self.comm.buffer_bytes(),
+                self.gatherer.largest_cached_bytes if self.gatherer else 0,
+            ),
             expected=expected(self.psi),
             expected_padded=expected(psi_padded),
             gathered_params=self.gatherer.live_bytes if self.gatherer else 0,

@@ -108,10 +108,12 @@ class BufferCache:
     glibc keeps such freed blocks in its heap, so the process grows well past what it
     uses (ZeRO-R's fragmentation, on the host). Reusing the buffers keeps the resident
     size at the gathered peak. Gradient staging at stage 3 borrows from the same cache
-    (the sizes are the units' sizes again). A buffer still referenced by a view (a
-    user kept a weight) is never reused, only dropped. Idle plus lent buffers stay
-    within the most ever lent at once (capped by ``limit``): the cache never raises
-    the high-water mark, it only keeps what the last peak will need again.
+    (the sizes are the units' sizes again), except for a unit larger than C_B, which
+    the reducer reduces in pieces through its own constant buffers. A buffer still
+    referenced by a view (a user kept a weight) is never reused, only dropped. Idle
+    plus lent buffers stay within the most ever lent at once (capped by ``limit``):
+    the cache never raises the high-water mark, it only keeps what the last peak will
+    need again.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, limit: int):
@@ -138,6 +140,11 @@ class BufferCache:
         if numel <= room and _sole_owner(buffer):
             self._free.setdefault(numel, []).append(buffer)
             self.idle_elements += numel
+
+    @property
+    def largest_idle(self) -> int:
+        """Elements of the largest idle buffer."""
+        return max((n for n, free in self._free.items() if free), default=0)
 
     def clear(self) -> None:
         """Drop the idle buffers (at the end of a pass: reuse is within a pass)."""
@@ -451,6 +458,11 @@ class ParamGatherer:
     def cached_bytes(self) -> int:
         """Released buffers kept for reuse (see BufferCache)."""
         return self.cache.idle_elements * self.element_size
+
+    @property
+    def largest_cached_bytes(self) -> int:
+        """The largest released buffer kept for reuse (0 between passes)."""
+        return self.cache.largest_idle * self.element_size
 
     @property
     def peak_live_bytes(self) -> int:

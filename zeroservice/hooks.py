@@ -11,8 +11,29 @@ zeros for parameters that got no gradient.
 Stages 0 and 1 keep a full gradient buffer per unit and make each ``param.grad`` a
 view of it, so autograd accumulates micro-batches in place and nothing is copied
 before the reduction. Stages 2 and 3 keep only the shard: each parameter's gradient
-is copied into a constant-size staging buffer as it arrives and released at once;
-the reduce-scatter output is added to the resident shard.
+is copied into a staging buffer as it arrives and released at once; the
+reduce-scatter output is copied into the resident shard on the first micro-batch and
+added to it on the next ones. A unit larger than C_B is not staged whole: see
+[Note: constant buffers]. At most two staging buffers are in flight.
+
+[Note: constant buffers]
+Every staging buffer holds C_B = ``bucket_elements`` rounded up to a multiple of N
+elements (fewer if no unit is that large), whatever the model's size: the paper's
+constant buffers. Units are at most C_B elements (flat.py) except a single parameter
+larger than that, which forms its own *oversized* unit. Such a unit is never staged
+whole. Its gradients are held as they are (stage 2: the tensor autograd made for
+``param.grad``; stage 3: the tensor handed to ``stage_grad``) or read from the full
+gradient (stages 0/1, reducing in fp32 from bf16/fp16), and reduced *piecewise*: for
+each column block [c0, c1) of width at most C_B / N of the unit's (N, S) view, the
+block (N x w elements, zeros where no gradient exists: padding, or a parameter
+without a gradient) is copied into a staging buffer and reduce-scattered, and this
+rank's chunk lands in [c0, c1) of its gradient shard (copied, or added after the
+first micro-batch, as for a whole unit). Unsharded reductions (stage 0, or a world
+of 1) are the case N = 1: contiguous pieces all-reduced. The pieces of a unit are
+issued one after the other, in column order, at the unit's place in the reduction
+order, so every rank issues the same collectives. Stages 0/1 without a cast reduce
+the full gradient in place and need no staging buffer at all; the ring's receive
+scratch is bounded by C_B / N as well (see [Note: rings on gloo] in ring.py).
 
 [Note: stage 3 reduction]
 At stage 3 the parameters are not leaves of the graph, so no hook fires per
@@ -33,7 +54,7 @@ from typing import Protocol
 import torch
 
 from . import comm
-from .flat import FlatUnit
+from .flat import FlatUnit, padded_size
 from .stages import StagePolicy
 
 
@@ -50,6 +71,8 @@ class BufferPool:
             torch.empty(numel, dtype=dtype, device=device) for _ in range(count if numel else 0)
         ]
         self.resident_bytes = sum(b.numel() * b.element_size() for b in self._free)
+        self.buffer_bytes = max((b.numel() * b.element_size() for b in self._free), default=0)
+        """Bytes of one buffer (0 when the pool holds none)."""
         self.overflows = 0
 
     def try_acquire(self) -> torch.Tensor | None:
@@ -74,10 +97,18 @@ class BufferSource(Protocol):
 
 
 @dataclass
+class _Lease:
+    """A staging buffer taken from the pool (``temporary``: an overflow) or borrowed."""
+
+    buffer: torch.Tensor
+    temporary: bool = False
+    borrowed: bool = False
+
+
+@dataclass
 class _InFlight:
     pending: comm.Pending
-    buffer: torch.Tensor | None
-    temporary: bool
+    lease: _Lease | None
     finish: Callable[[], None]
 
 
@@ -94,6 +125,7 @@ class GradReducer:
         overlap: bool,
         param_hooks: bool = True,
         staging: BufferSource | None = None,
+        bucket_elements: int | None = None,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
         self.overlap = overlap
@@ -111,14 +143,23 @@ class GradReducer:
             ]
         self._cast = comm_dtype != grad_dtype
         self.external = staging
-        need_staging = ((not policy.keep_full_grads) or self._cast) and staging is None
-        staging_numel = max(u.padded_numel for u in units) if need_staging else 0
+        largest = max(u.padded_numel for u in units)
+        self.block_elements = (
+            largest if bucket_elements is None else padded_size(bucket_elements, communicator.world)
+        )
+        """C_B: the size of every staging buffer; larger units go piecewise."""
+        stages = (not policy.keep_full_grads) or self._cast
+        self._piecewise = [stages and u.padded_numel > self.block_elements for u in units]
+        need_pool = stages and (staging is None or any(self._piecewise))
+        staging_numel = min(largest, self.block_elements) if need_pool else 0
         self.pool = BufferPool(2, staging_numel, comm_dtype, device)
         self._active = False
         self._first_micro = True
         self._ready = [0] * len(units)
         self._filled: list[list[bool]] = [[False] * len(u.slots) for u in units]
-        self._staged: dict[int, tuple[torch.Tensor, bool]] = {}
+        self._staged: dict[int, _Lease] = {}
+        self._held: dict[int, list[torch.Tensor | None]] = {}
+        """Oversized units at stages 2/3: their gradients, flat, until the unit launches."""
         self._launched = [False] * len(units)
         self._next_launch = 0
         self._inflight: deque[_InFlight] = deque()
@@ -166,6 +207,7 @@ class GradReducer:
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
         self._next_launch = 0
+        self._held.clear()
         if self.policy.keep_full_grads:
             for unit, views in zip(self.units, self._grad_views, strict=True):
                 for slot, view in zip(unit.slots, views, strict=True):
@@ -190,10 +232,17 @@ class GradReducer:
             self._launch_ready()
 
     def stage_grad(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
-        """Copy one gradient into the unit's staging buffer (added if already staged)."""
+        """Copy one gradient into the unit's staging buffer (added if already staged).
+
+        An oversized unit keeps a reference instead. See [Note: constant buffers]."""
+        if self._piecewise[unit.index]:
+            held = self._held.setdefault(unit.index, [None] * len(unit.slots))
+            flat, before = grad.reshape(-1), held[slot_index]
+            held[slot_index] = flat if before is None else before + flat
+            return
         if unit.index not in self._staged:
             self._staged[unit.index] = self._acquire(unit)
-        staging = self._staged[unit.index][0]
+        staging = self._staged[unit.index].buffer
         slot = unit.slots[slot_index]
         target = staging[slot.offset : slot.offset + slot.numel]
         if self._filled[unit.index][slot_index]:
@@ -224,19 +273,25 @@ class GradReducer:
             self._first_micro = False
 
     # -- internals ------------------------------------------------------------------
-    def _acquire(self, unit: FlatUnit) -> tuple[torch.Tensor, bool]:
+    def _acquire(self, unit: FlatUnit) -> _Lease:
         if self.external is not None:
             # Borrowed buffers come back only when their reduction completes: keep at most
             # two in flight, as the pool would, or a backward would hold every gradient.
             while len(self._inflight) >= 2:
                 self._complete_oldest()
-            return self.external.take(unit.padded_numel), False
+            return _Lease(self.external.take(unit.padded_numel), borrowed=True)
+        return self._acquire_pooled()
+
+    def _acquire_pooled(self) -> _Lease:
+        if self.external is not None:
+            while len(self._inflight) >= 2:  # as in ``_acquire``
+                self._complete_oldest()
         while True:
-            buffers = self.pool.try_acquire()
-            if buffers is not None:
-                return buffers, False
+            buffer = self.pool.try_acquire()
+            if buffer is not None:
+                return _Lease(buffer)
             if not self._inflight:
-                return self.pool.acquire_temporary(), True
+                return _Lease(self.pool.acquire_temporary(), temporary=True)
             self._complete_oldest()
 
     def _launch_ready(self) -> None:
@@ -246,43 +301,94 @@ class GradReducer:
             self._launch(self.units[self._next_launch])
             self._next_launch += 1
 
-    def _source(self, unit: FlatUnit) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        """The unit-sized tensor to reduce, and the pool buffer it occupies."""
+    def _source(self, unit: FlatUnit) -> tuple[torch.Tensor, _Lease | None]:
+        """The unit-sized tensor to reduce, and the staging buffer it occupies."""
         if not self.policy.keep_full_grads:
             if unit.index not in self._staged:
                 self._staged[unit.index] = self._acquire(unit)
-            buffer, temporary = self._staged.pop(unit.index)
-            staging = buffer[: unit.padded_numel]
+            lease = self._staged.pop(unit.index)
+            staging = lease.buffer[: unit.padded_numel]
             filled = self._filled[unit.index]
             for slot, done in zip(unit.slots, filled, strict=True):
                 if not done:
                     staging[slot.offset : slot.offset + slot.numel].zero_()
             staging[unit.numel :].zero_()
             self._filled[unit.index] = [False] * len(unit.slots)
-            return staging, buffer, temporary
+            return staging, lease
         grads = self.full_grads[unit.index]
         if not self._cast:
-            return grads, None, False
-        buffer, temporary = self._acquire(unit)
-        staging = buffer[: unit.padded_numel]
+            return grads, None
+        lease = self._acquire(unit)
+        staging = lease.buffer[: unit.padded_numel]
         staging.copy_(grads)
-        return staging, buffer, temporary
+        return staging, lease
+
+    def _target(self, unit: FlatUnit) -> torch.Tensor:
+        """Where this rank's reduced gradient of ``unit`` goes."""
+        if not self.policy.keep_full_grads:
+            return self.shard_grads[unit.index]
+        full = self.full_grads[unit.index]
+        return full if self.policy.shard_world == 1 else unit.shard_of(full)
 
     def _launch(self, unit: FlatUnit) -> None:
         self._launched[unit.index] = True
-        source, buffer, temporary = self._source(unit)
+        if self._piecewise[unit.index]:
+            self._launch_pieces(unit)
+            return
+        source, lease = self._source(unit)
+        self._issue(source, lease, self._target(unit))
+
+    def _launch_pieces(self, unit: FlatUnit) -> None:
+        """Reduce an oversized unit block by block. See [Note: constant buffers]."""
+        n = self.policy.shard_world
+        columns = unit.padded_numel // n
+        width = self.block_elements // n
+        target = self._target(unit)
+        full = self.full_grads[unit.index].view(n, columns) if self.policy.keep_full_grads else None
+        held = self._held.pop(unit.index, None)
+        for c0 in range(0, columns, width):
+            c1 = min(columns, c0 + width)
+            lease = self._acquire_pooled()
+            staging = lease.buffer[: n * (c1 - c0)]
+            if full is not None:
+                staging.view(n, c1 - c0).copy_(full[:, c0:c1])
+            else:
+                self._fill_block(unit, held, staging.view(n, c1 - c0), c0, c1)
+            self._issue(staging, lease, target[c0:c1])
+
+    @staticmethod
+    def _fill_block(
+        unit: FlatUnit,
+        held: list[torch.Tensor | None] | None,
+        block: torch.Tensor,
+        c0: int,
+        c1: int,
+    ) -> None:
+        """Columns [c0, c1) of the unit's (N, S) gradient view, zeros where none exists."""
+        columns = unit.padded_numel // block.shape[0]
+        for i, row in enumerate(block):
+            lo, hi = i * columns + c0, i * columns + c1
+            for s, slot in enumerate(unit.slots):
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a >= b:
+                    continue
+                grad = held[s] if held is not None else None
+                if grad is None:
+                    row[a - lo : b - lo].zero_()
+                else:
+                    row[a - lo : b - lo].copy_(grad[a - slot.offset : b - slot.offset])
+            if max(lo, unit.numel) < hi:
+                row[max(lo, unit.numel) - lo :].zero_()
+
+    def _issue(self, source: torch.Tensor, lease: _Lease | None, target: torch.Tensor) -> None:
+        """Launch the reduction of ``source`` into ``target`` (added after the first micro)."""
         if self.policy.shard_world == 1:
             pending = self.comm.all_reduce(source, "grads")
-            grads = self.full_grads if self.policy.keep_full_grads else self.shard_grads
-            reduced, target = source, grads[unit.index]
+            reduced = source
         else:
             # In place: the sum lands in this rank's chunk of the source.
             pending = self.comm.reduce_scatter(source, "grads")
             reduced = self.comm.chunk(source)
-            if self.policy.keep_full_grads:
-                target = unit.shard_of(self.full_grads[unit.index])
-            else:
-                target = self.shard_grads[unit.index]
         accumulate = not self.policy.keep_full_grads and not self._first_micro
 
         def finish() -> None:
@@ -291,17 +397,18 @@ class GradReducer:
             elif reduced.data_ptr() != target.data_ptr():
                 target.copy_(reduced)
 
-        self._inflight.append(_InFlight(pending, buffer, temporary, finish))
+        self._inflight.append(_InFlight(pending, lease, finish))
 
     def _complete_oldest(self) -> None:
         item = self._inflight.popleft()
         item.pending.wait()
         item.finish()
-        buffer, temporary, item.buffer = item.buffer, item.temporary, None
+        lease, item.lease = item.lease, None
         del item  # drops the views of the buffer it holds, so the buffer can be reused
-        if buffer is None:
+        if lease is None:
             return
-        if self.external is not None:
-            self.external.give(buffer)
+        if lease.borrowed:
+            assert self.external is not None
+            self.external.give(lease.buffer)
         else:
-            self.pool.release(buffer, temporary)
+            self.pool.release(lease.buffer, lease.temporary)

@@ -84,6 +84,11 @@ class MemoryLedger:
     optimizer_other: int
     """Small optimizer tensors (e.g. Adam's per-tensor step counter)."""
     comm_buffers: int
+    """Staging buffers, the ring's receive scratch, and (stage 3) released gather
+    buffers kept for reuse: all of them together."""
+    comm_buffer_largest: int
+    """The largest single one of those: C_B x the reduction dtype's bytes whenever some
+    unit reaches C_B, whatever the model's size (the paper's constant buffers)."""
     expected: int | None
     """The formula with Ψ = psi (None if the optimizer's state size is unknown)."""
     expected_padded: int | None

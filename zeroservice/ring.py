@@ -13,6 +13,13 @@ Both rings work in place on a buffer viewed as N equal chunks. Reduce-scatter
 accumulates into the buffer and leaves the full sum in chunk ``rank`` (the other
 chunks hold partial sums afterwards). All-gather expects chunk ``rank`` filled and
 receives the others into their places.
+
+Reduce-scatter receives into a scratch buffer. With ``max_chunk`` set (the engine
+sets ceil(C_B / N)), it runs the ring over the (N, S) view of the buffer in column
+blocks of at most ``max_chunk`` columns, one block after the other, so the scratch
+never exceeds ``max_chunk`` elements however large the buffer. Every element still
+receives the same additions in the same order, so the result is bit for bit the one
+of a single pass. All-gather receives straight into the buffer and needs no scratch.
 """
 
 from __future__ import annotations
@@ -27,8 +34,12 @@ import torch.distributed as dist
 class RingComm:
     """Ring collectives over one process group, run in order on a background thread."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, max_chunk: int | None = None):
+        if max_chunk is not None and max_chunk < 1:
+            raise ValueError(f"max_chunk: must be >= 1, got {max_chunk}")
         self.group = group
+        self.max_chunk = max_chunk
+        """Most columns of the (N, S) view reduced in one pass (bounds the scratch)."""
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
@@ -46,7 +57,9 @@ class RingComm:
         return 0 if s is None else s.numel() * s.element_size()
 
     def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the receive buffer up front (its size is the largest chunk)."""
+        """Allocate the receive buffer up front: the largest chunk, capped at ``max_chunk``."""
+        if self.max_chunk is not None:
+            numel = min(numel, self.max_chunk)
         s = self._scratch
         if s is None or s.numel() < numel or s.dtype != dtype or s.device != device:
             self._scratch = torch.empty(numel, dtype=dtype, device=device)
@@ -75,12 +88,16 @@ class RingComm:
         t0 = time.perf_counter()
         n, r = self.world, self.rank
         chunks = buffer.view(n, -1)
-        self.reserve(chunks.shape[1], buffer.dtype, buffer.device)
+        columns = chunks.shape[1]
+        block = columns if self.max_chunk is None else min(columns, self.max_chunk)
+        self.reserve(block, buffer.dtype, buffer.device)
         assert self._scratch is not None
-        recv = self._scratch[: chunks.shape[1]]
-        for s in range(n - 1):
-            self._exchange(chunks[(r - s - 1) % n], recv)
-            chunks[(r - s - 2) % n].add_(recv)
+        for c0 in range(0, columns, max(block, 1)):
+            c1 = min(columns, c0 + block)
+            recv = self._scratch[: c1 - c0]
+            for s in range(n - 1):
+                self._exchange(chunks[(r - s - 1) % n, c0:c1], recv)
+                chunks[(r - s - 2) % n, c0:c1].add_(recv)
         return time.perf_counter() - t0
 
     def _all_gather(self, buffer: torch.Tensor) -> float:

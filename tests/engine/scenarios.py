@@ -235,11 +235,11 @@ def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:
 class _Branchy(torch.nn.Module):
     """A parameter that only some ranks use on some steps (data-dependent control flow)."""
 
-    def __init__(self):
+    def __init__(self, width: int = 16):
         super().__init__()
-        self.trunk = torch.nn.Linear(16, 16)
-        self.rare = torch.nn.Linear(16, 16)
-        self.head = torch.nn.Linear(16, 1)
+        self.trunk = torch.nn.Linear(width, width)
+        self.rare = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor, use_rare: bool) -> torch.Tensor:
         h = torch.tanh(self.trunk(x))
@@ -252,12 +252,13 @@ def unused_parameters(stages: list[int]) -> list[dict]:
     return [unused_parameters_at(stage) for stage in stages]
 
 
-def unused_parameters_at(stage: int, steps: int = 6) -> dict:
+def unused_parameters_at(stage: int, steps: int = 6, width: int = 16) -> dict:
     """Ranks disagree on which parameters get gradients; the engine must neither hang
-    nor diverge, and must match DDP(find_unused_parameters=True)."""
+    nor diverge, and must match DDP(find_unused_parameters=True). At ``width`` > 32 the
+    weights exceed the 1024-element bucket and are reduced in pieces."""
     rank = dist.get_rank()
     torch.manual_seed(3)
-    model = _Branchy()
+    model = _Branchy(width)
     ref = copy.deepcopy(model)
     ddp = DDP(ref, find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -269,7 +270,7 @@ def unused_parameters_at(stage: int, steps: int = 6) -> dict:
     losses, ref_losses = [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(step * 10 + rank)
-        x = torch.randn(4, 16, generator=g)
+        x = torch.randn(4, width, generator=g)
         use_rare = (step + rank) % 2 == 0
         loss = engine(x, use_rare)
         engine.backward(loss)
