@@ -249,7 +249,9 @@ def create_app(service: Service) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=5000)] = 500,
     ) -> list[LogLine]:
         job = job_or_404(db, who, job_id)
-        return [LogLine(id=x.id, time=x.time, line=x.line) for x in store.logs(db, job, after, limit)]
+        return [
+            LogLine(id=x.id, time=x.time, line=x.line) for x in store.logs(db, job, after, limit)
+        ]
 
     @app.get("/v1/jobs/{job_id}/metrics", response_model=MetricsOut, tags=["jobs"])
     def job_metrics(job_id: str, db: Db, who: Who) -> MetricsOut:
@@ -270,9 +272,7 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/v1/cluster", response_model=ClusterOut, tags=["cluster"])
     def cluster(who: Who) -> ClusterOut:
         cap = service.backend.capacity()
-        return ClusterOut(
-            total=cap.total, free=cap.free, nodes=cap.nodes, requested=cap.requested
-        )
+        return ClusterOut(total=cap.total, free=cap.free, nodes=cap.nodes, requested=cap.requested)
 
     @app.get("/v1/targets", tags=["cluster"])
     def targets(db: Db, who: Who) -> list[dict[str, Any]]:

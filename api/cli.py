@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="output file (.safetensors, or .pt)")
     export.add_argument("--format", choices=("safetensors", "pt"), help="default: from OUT")
     export.set_defaults(func=_checkpoint_export)
+
+    from .service_cli import add_service_parsers
+
+    add_service_parsers(sub)
     return parser
 
 

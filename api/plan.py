@@ -1,0 +1,107 @@
+"""The memory plan of a submitted job, and the refusal of one that cannot fit.
+
+The plan is the engine's planner (zeroservice/planner.py) applied to the job at its
+smallest size (min_dp replicas: the fewest ranks to partition over, so the most
+memory per rank). The memory per rank it is checked against is the request's, or
+the service's setting for GPU ranks or CPU ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from workers.spec import FactoryModelSpec, GPTModelSpec, JobSpec, TransformersModelSpec
+
+GIB = 2**30
+
+
+class PlanRefused(Exception):
+    def __init__(self, detail: dict[str, Any]):
+        super().__init__(detail["message"])
+        self.detail = detail
+
+
+def _param_count(spec: JobSpec) -> int | None:
+    """Trainable parameters of a non-GPT model, counted on the meta device (no memory)."""
+    import torch
+
+    model_spec = spec.model
+    try:
+        if isinstance(model_spec, TransformersModelSpec):
+            import transformers
+
+            cls = getattr(transformers, model_spec.architecture)
+            with torch.device("meta"):
+                model = cls(cls.config_class(**model_spec.config))
+        elif isinstance(model_spec, FactoryModelSpec):
+            import zeroservice
+            from workers.build import build_model
+
+            with zeroservice.deferred_init():
+                model, _ = build_model(spec, None)
+        else:
+            return None
+    except Exception:
+        return None  # not importable here; the workers will say so
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def plan_job(
+    spec: JobSpec,
+    settings,
+    device_memory_gib: float | None = None,
+    refuse: bool = True,
+) -> dict[str, Any]:
+    from zeroservice.planner import plan
+
+    cfg = spec.zero_config()
+    res = spec.resources
+    if isinstance(spec.model, GPTModelSpec):
+        model: Any = spec.model.gpt_config()
+    else:
+        model = _param_count(spec)
+        if model is None:
+            return {
+                "fits": None,
+                "message": "model not buildable here: no plan",
+                "dp": res.lowest_dp,
+            }
+    p = plan(
+        model,
+        dp=res.lowest_dp,
+        mp=res.mp,
+        stage=cfg.stage,
+        precision=cfg.precision,
+        offload_optimizer=cfg.offload_optimizer,
+        activation_checkpointing=cfg.activation_checkpointing,
+        partition_activations=cfg.partition_activations,
+        cpu_offload_activations=cfg.cpu_offload_activations,
+        seq_len=spec.model.seq_len,
+        micro_batch=spec.micro_batch,
+        bucket_elements=cfg.bucket_elements,
+    )
+    gib = device_memory_gib or (
+        settings.device_memory_gib if res.gpus_per_rank else settings.cpu_rank_memory_gib
+    )
+    limit = int(gib * GIB)
+    per_rank = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else dict(p)
+    needed = int(per_rank["device_total"])
+    fits = needed <= limit
+    message = (
+        f"needs {needed / GIB:.2f} GiB per rank at dp {res.lowest_dp} × mp {res.mp}, "
+        f"stage {cfg.stage}, {cfg.precision}; {gib:g} GiB available per "
+        f"{'GPU' if res.gpus_per_rank else 'CPU'} rank"
+    )
+    result = {
+        "fits": fits,
+        "message": message,
+        "needed_bytes": needed,
+        "available_bytes": limit,
+        "dp": res.lowest_dp,
+        "mp": res.mp,
+        "per_rank": per_rank,
+    }
+    if refuse and not fits:
+        raise PlanRefused({**result, "message": f"memory plan does not fit: {message}"})
+    return result

@@ -1,0 +1,53 @@
+"""Run the API process: join Ray, open the store, serve (``python -m api.serve``).
+
+Settings come from the environment (api/settings.py). At first start the admin token is
+written to ``<data_dir>/admin-token`` (mode 600) and its path logged; the token is
+never stored in the database in clear.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import uvicorn
+
+from .app import Service, create_app
+from .backend import RayBackend
+from .server import TOKEN_FILE
+from .settings import Settings
+
+log = logging.getLogger("zeroservice.api")
+
+
+def connect_ray(settings: Settings) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if settings.ray_address is None:
+        raise RuntimeError("ZEROSERVICE_RAY_ADDRESS is not set: which Ray cluster to join?")
+    ray.init(address=settings.ray_address, namespace="zeroservice", log_to_driver=False)
+
+
+def write_token(settings: Settings, token: str) -> str:
+    path = settings.data_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return str(path)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = Settings.from_env()
+    connect_ray(settings)
+    service = Service(settings, RayBackend())
+    if service.bootstrap_token is not None:
+        where = write_token(settings, service.bootstrap_token)
+        log.info("admin token written to %s (shown nowhere else)", where)
+    uvicorn.run(create_app(service), host=settings.host, port=settings.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The local stack: a Ray head on loopback, the API (uvicorn) and its SQLite store.
+
+``zeroservice up`` starts both as background processes and records them in
+``<data_dir>/stack.json`` (URL, token file, pids); ``zeroservice down`` stops them.
+Ray runs as its own process (``ray start --head``), so the job supervisors, which are
+detached Ray actors, outlive an API restart: the API reattaches to them by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .settings import Settings
+
+STACK_FILE = "stack.json"
+TOKEN_FILE = "admin-token"
+
+
+def stack_path(settings: Settings) -> Path:
+    return settings.data_dir / STACK_FILE
+
+
+def read_stack(settings: Settings) -> dict | None:
+    path = stack_path(settings)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_ray_head(settings: Settings, num_cpus: float, num_gpus: int = 0) -> tuple[str, int]:
+    """``ray start --head`` on loopback (see workers/cluster.py); returns (address, pid)."""
+    from workers.cluster import loopback_env
+
+    env = dict(os.environ, **loopback_env(settings.data_dir / "ray-home"))
+    tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"  # short: Ray's socket paths
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    ray_bin = Path(sys.executable).parent / "ray"
+    cmd = [
+        str(ray_bin),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        f"--num-cpus={num_cpus}",
+        f"--num-gpus={num_gpus}",
+        "--include-dashboard=false",
+        f"--temp-dir={tmp}",
+        "--disable-usage-stats",
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"ray start failed:\n{out.stdout}\n{out.stderr}")
+    return f"127.0.0.1:{port}", port
+
+
+def stop_ray_head(settings: Settings, address: str) -> None:
+    """Stop this stack's Ray (its own processes only: never a machine-wide ``ray stop``)."""
+    tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(tmp).encode() in cmd or address.encode() in cmd:
+            pids.append(int(proc.name))
+    for pid in pids:
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    time.sleep(1.0)
+    for pid in pids:
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 120) -> dict:
+    """Start Ray and the API in the background; returns the stack record."""
+    existing = read_stack(settings)
+    if existing is not None and _alive(existing.get("api_pid")):
+        return existing
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    address, _ = start_ray_head(settings, num_cpus, num_gpus)
+    log = open(settings.data_dir / "api.log", "ab")  # noqa: SIM115 - handed to the child
+    env = dict(
+        os.environ,
+        ZEROSERVICE_HOME=str(settings.data_dir),
+        ZEROSERVICE_DATABASE_URL=settings.database_url,
+        ZEROSERVICE_RAY_ADDRESS=address,
+        ZEROSERVICE_HOST=settings.host,
+        ZEROSERVICE_PORT=str(settings.port),
+    )
+    from workers.cluster import loopback_env
+
+    env.update(loopback_env(settings.data_dir / "ray-home"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.serve"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://{settings.host}:{settings.port}"
+    record = {
+        "url": url,
+        "ray_address": address,
+        "api_pid": proc.pid,
+        "token_file": str(settings.data_dir / TOKEN_FILE),
+        "log": str(settings.data_dir / "api.log"),
+        "data_dir": str(settings.data_dir),
+    }
+    stack_path(settings).write_text(json.dumps(record, indent=2))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API exited ({proc.returncode}); see {record['log']}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return record
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the API did not become ready within {wait_s:g} s; see {record['log']}")
+
+
+def down(settings: Settings) -> bool:
+    record = read_stack(settings)
+    if record is None:
+        return False
+    pid = record.get("api_pid")
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(50):
+            if not _alive(pid):
+                break
+            time.sleep(0.1)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    stop_ray_head(settings, record["ray_address"])
+    stack_path(settings).unlink(missing_ok=True)
+    return True
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        return state != "Z"
+    except OSError:
+        return True

@@ -1,0 +1,121 @@
+"""Stores for the API tests: SQLite files, and a real PostgreSQL server started here
+from the machine's server binaries (initdb / pg_ctl) on loopback."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import Service, create_app
+from api.settings import Settings
+from tests.api.fakes import FakeBackend
+
+
+def _pg_bin(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for candidate in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), reverse=True):
+        return str(candidate)
+    return None
+
+
+def _as_postgres_user(cmd: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: run its binaries as the postgres user then."""
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--", *cmd]
+    return cmd
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl) are not on this machine")
+    base = Path(tempfile.mkdtemp(prefix="zs-pg-"))
+    data = base / "data"
+    if os.geteuid() == 0:
+        shutil.chown(base, "postgres")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run(
+        _as_postgres_user([initdb, "-D", str(data), "-U", "zs", "-A", "trust", "-E", "UTF8"]),
+        check=True,
+        capture_output=True,
+    )
+    opts = f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off"
+    subprocess.run(
+        _as_postgres_user(
+            [pg_ctl, "-D", str(data), "-o", opts, "-l", str(base / "log"), "-w", "start"]
+        ),
+        check=True,
+        capture_output=True,
+    )
+    yield f"postgresql+psycopg://zs@127.0.0.1:{port}"
+    subprocess.run(
+        _as_postgres_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True
+    )
+    shutil.rmtree(base, ignore_errors=True)
+
+
+_counter = itertools.count()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    import psycopg
+
+    server = request.getfixturevalue("postgres_server")
+    name = f"t{os.getpid()}_{next(_counter)}"
+    plain = server.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(f"{plain}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"{server}/{name}"
+
+
+class Harness:
+    """A service on a fake cluster, its HTTP client and its admin token."""
+
+    def __init__(self, database_url: str, data_dir: Path, backend: FakeBackend | None = None):
+        self.backend = backend or FakeBackend()
+        self.settings = Settings(
+            data_dir=data_dir,
+            database_url=database_url,
+            max_cluster={"CPU": 16.0, "GPU": 0.0},
+            cpu_rank_memory_gib=16.0,
+        )
+        self.service = Service(self.settings, self.backend, start_scheduler=False)
+        self.client = TestClient(create_app(self.service))
+        self.admin = self.service.bootstrap_token
+
+    def headers(self, token: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"}
+
+    def tenant_token(self, tenant: str) -> str:
+        h = self.headers(self.admin) if self.admin else {}
+        self.client.post("/v1/tenants", json={"name": tenant}, headers=h)
+        r = self.client.post("/v1/tokens", json={"tenant": tenant}, headers=h)
+        assert r.status_code == 201, r.text
+        return r.json()["token"]
+
+    def tick(self) -> None:
+        self.service.scheduler.tick()
+
+
+@pytest.fixture
+def harness(database_url, tmp_path):
+    h = Harness(database_url, tmp_path / "data")
+    yield h
+    h.client.close()
+    h.service.engine.dispose()

@@ -1,0 +1,87 @@
+"""A cluster stand-in for route and scheduler tests: it records what it is asked and
+plays supervisors whose status the test moves along."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from api.backend import Capacity
+from workers.placement import bundle
+from workers.spec import JobSpec
+
+
+class FakeBackend:
+    def __init__(self, cpus: float = 8.0):
+        self.total = {"CPU": cpus, "GPU": 0.0}
+        self.used = 0.0
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.launched: list[str] = []
+        self.cancelled: list[str] = []
+        self.requests: list[list[dict[str, float]]] = []
+        self.requested: list[dict[str, float]] = []
+        self.lock = threading.Lock()
+
+    def capacity(self) -> Capacity:
+        free = {"CPU": self.total["CPU"] - self.used, "GPU": 0.0}
+        return Capacity(dict(self.total), free, 1, list(self.requested))
+
+    def fits(self, spec: JobSpec) -> bool:
+        need = bundle(spec.resources)["CPU"] * spec.resources.lowest_dp
+        return need <= self.total["CPU"] - self.used
+
+    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+        with self.lock:
+            self.launched.append(job_id)
+            cpus = bundle(spec.resources)["CPU"] * spec.resources.lowest_dp
+            self.used += cpus
+            self.jobs[job_id] = {
+                "cpus": cpus,
+                "status": {
+                    "status": "starting",
+                    "reason": "placing",
+                    "message": "placing",
+                    "dp": spec.resources.lowest_dp,
+                    "step": 0,
+                    "restarts": 0,
+                    "checkpoint_root": checkpoint_root,
+                },
+                "events": [],
+                "logs": [],
+                "metrics": {},
+                "targets": [],
+            }
+
+    def move(self, job_id: str, status: str, reason: str = "", step: int = 0, **extra) -> None:
+        """What the job's supervisor would do: a status change, its event and a log line."""
+        with self.lock:
+            job = self.jobs[job_id]
+            job["status"].update(status=status, reason=reason or status, message=status, step=step)
+            job["status"].update(extra)
+            job["events"].append(
+                {"kind": "status", "reason": reason or status, "message": f"{status}", "step": step}
+            )
+            job["logs"].append(f"step {step}/10 loss 1.0000 100 tokens/s dp 1")
+            if status in ("succeeded", "failed", "cancelled"):
+                self.used -= job["cpus"]
+
+    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
+        with self.lock:
+            job = self.jobs.get(job_id)
+            if job is None:
+                return None
+            return {
+                "status": dict(job["status"]),
+                "events": job["events"][events_since:],
+                "logs": job["logs"][logs_since:],
+                "metrics": job["metrics"],
+                "targets": job["targets"],
+            }
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        self.cancelled.append(job_id)
+        self.move(job_id, "cancelled", "cancelled")
+
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        self.requests.append(list(bundles))
+        self.requested = list(bundles)

@@ -1,0 +1,283 @@
+"""The REST contract on SQLite and on a real PostgreSQL: routes, bad input, auth and
+tenants, idempotent submission, the scheduler against a fake cluster, restarts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import select, text
+
+from api.db import ApiToken, Job
+from tests.api.conftest import Harness
+
+TINY = {
+    "name": "tiny",
+    "model": {"vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32},
+    "engine": {"stage": 3},
+    "steps": 10,
+    "micro_batch": 2,
+    "resources": {"dp": 2, "cpus_per_rank": 1},
+}
+
+
+def _jobs_stored(h: Harness) -> int:
+    with h.service.sessions() as s:
+        return len(s.execute(select(Job)).scalars().all())
+
+
+def test_openapi_schema_is_valid(harness):
+    from openapi_spec_validator import validate
+
+    schema = harness.client.get("/openapi.json").json()
+    validate(schema)
+    paths = set(schema["paths"])
+    for route in (
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/cancel",
+        "/v1/jobs/{job_id}/events",
+        "/v1/jobs/{job_id}/logs",
+        "/v1/jobs/{job_id}/metrics",
+        "/v1/plan",
+        "/v1/cluster",
+        "/v1/targets",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        assert route in paths
+
+
+def test_health_and_metrics(harness):
+    assert harness.client.get("/healthz").json() == {"status": "ok"}
+    ready = harness.client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    harness.client.get("/v1/jobs")  # a 401, counted as an error
+    text_ = harness.client.get("/metrics").text
+    for family in (
+        "zeroservice_api_requests_total",
+        "zeroservice_api_request_seconds_bucket",
+        "zeroservice_api_errors_total",
+        'zeroservice_jobs{status="queued"}',
+        "zeroservice_cluster_resources",
+    ):
+        assert family in text_
+
+
+def test_auth_is_required_and_tokens_are_hashed(harness):
+    c = harness.client
+    assert c.get("/v1/jobs").status_code == 401
+    assert c.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert c.get("/v1/jobs", headers={"Authorization": "Basic abc"}).status_code == 401
+    assert c.post("/v1/jobs", json={"spec": TINY}).status_code == 401
+    assert c.get("/v1/cluster").status_code == 401
+    token = harness.tenant_token("alice")
+    assert c.get("/v1/jobs", headers=harness.headers(token)).status_code == 200
+    # Not an admin: cannot create tenants or tokens.
+    r = c.post("/v1/tenants", json={"name": "x"}, headers=harness.headers(token))
+    assert r.status_code == 403
+    with harness.service.sessions() as s:
+        stored = [t.token_hash for t in s.execute(select(ApiToken)).scalars()]
+        dump = " ".join(str(v) for row in s.execute(text("SELECT * FROM api_tokens")) for v in row)
+    assert token not in dump and harness.admin not in dump
+    assert all(len(h) == 64 for h in stored)
+
+
+def test_tenants_see_and_cancel_only_their_own_jobs(harness):
+    c = harness.client
+    alice, bob = harness.tenant_token("alice"), harness.tenant_token("bob")
+    job = c.post("/v1/jobs", json={"spec": TINY}, headers=harness.headers(alice)).json()
+    assert job["tenant"] == "alice" and job["status"] == "queued"
+    h_bob = harness.headers(bob)
+    assert c.get(f"/v1/jobs/{job['id']}", headers=h_bob).status_code == 404
+    assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=h_bob).status_code == 404
+    assert c.get(f"/v1/jobs/{job['id']}/events", headers=h_bob).status_code == 404
+    assert c.get("/v1/jobs", headers=h_bob).json()["total"] == 0
+    assert c.get("/v1/jobs", headers=harness.headers(alice)).json()["total"] == 1
+    # The admin sees every tenant's jobs.
+    assert c.get("/v1/jobs", headers=harness.headers(harness.admin)).json()["total"] == 1
+    assert c.get("/v1/jobs/nope", headers=harness.headers(alice)).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"spec": {**TINY, "stepz": 3}}, "stepz"),
+        ({"spec": {**TINY, "steps": -5}}, "steps"),
+        ({"spec": {**TINY, "steps": "ten"}}, "steps"),
+        ({"spec": {**TINY, "micro_batch": 10**12}}, "micro_batch"),
+        ({"spec": {**TINY, "resources": {"dp": 2, "mp": 3}}}, "n_head: 4 is not divisible"),
+        ({"spec": {**TINY, "resources": {"dp": 4, "min_dp": 5}}}, "min_dp <= dp <= max_dp"),
+        ({"spec": {**TINY, "resources": {"dp": 2, "mp": 128}}}, "mp"),
+        ({"spec": {**TINY, "engine": {"stage": 9}}}, "engine.stage"),
+        ({"spec": TINY, "priority": 1000}, "priority"),
+        ({"spec": TINY, "submission_id": "bad id!"}, "submission_id"),
+        ({"spec": TINY, "extra": 1}, "extra"),
+        ({}, "spec"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field_and_nothing_is_stored(harness, body, needle):
+    h = harness.headers(harness.tenant_token("alice"))
+    r = harness.client.post("/v1/jobs", json=body, headers=h)
+    assert r.status_code == 422, r.text
+    assert needle in r.text
+    assert _jobs_stored(harness) == 0
+
+
+def test_malformed_json_is_refused(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    r = harness.client.post(
+        "/v1/jobs", content=b'{"spec": {', headers={**h, "Content-Type": "application/json"}
+    )
+    assert r.status_code == 422
+    assert "JSON" in r.text or "json" in r.text
+    assert _jobs_stored(harness) == 0
+
+
+def test_a_plan_that_does_not_fit_is_refused_with_the_numbers(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    big = {
+        **TINY,
+        "model": {"vocab_size": 50304, "seq_len": 1024, "n_layer": 48, "n_head": 25, "dim": 1600},
+        "engine": {"stage": 0, "precision": "fp32"},
+    }
+    r = harness.client.post("/v1/jobs", json={"spec": big}, headers=h)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert detail["fits"] is False
+    assert detail["needed_bytes"] > detail["available_bytes"] == 16 * 2**30
+    assert "GiB per rank" in detail["message"]
+    assert _jobs_stored(harness) == 0
+    plan = harness.client.post("/v1/plan", json={"spec": big}, headers=h).json()
+    assert plan["fits"] is False and plan["per_rank"]["model_states"] > 0
+    ok = harness.client.post("/v1/plan", json={"spec": TINY}, headers=h).json()
+    assert ok["fits"] is True
+
+
+def test_submission_id_makes_submission_idempotent_under_a_burst(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    body = {"spec": TINY, "submission_id": "run-42"}
+    codes, ids = [], []
+    lock = threading.Lock()
+
+    def post():
+        r = harness.client.post("/v1/jobs", json=body, headers=h)
+        with lock:
+            codes.append(r.status_code)
+            ids.append(r.json()["id"])
+
+    threads = [threading.Thread(target=post) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 1
+    assert sorted(codes) == [200] * 11 + [201]
+    assert _jobs_stored(harness) == 1
+    # Another tenant may use the same submission id for its own job.
+    h2 = harness.headers(harness.tenant_token("bob"))
+    assert harness.client.post("/v1/jobs", json=body, headers=h2).status_code == 201
+
+
+def test_list_filters_and_paginates(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    for i in range(5):
+        harness.client.post("/v1/jobs", json={"spec": {**TINY, "name": f"j{i}"}}, headers=h)
+    page = harness.client.get("/v1/jobs?limit=2", headers=h).json()
+    assert page["total"] == 5 and len(page["items"]) == 2 and page["next_offset"] == 2
+    last = harness.client.get("/v1/jobs?limit=2&offset=4", headers=h).json()
+    assert len(last["items"]) == 1 and last["next_offset"] is None
+    assert harness.client.get("/v1/jobs?status=running", headers=h).json()["total"] == 0
+    assert harness.client.get("/v1/jobs?status=bogus", headers=h).status_code == 422
+    assert harness.client.get("/v1/jobs?limit=0", headers=h).status_code == 422
+
+
+def test_scheduler_admits_by_priority_syncs_events_and_asks_the_autoscaler(harness):
+    c, fake = harness.client, harness.backend
+    fake.total["CPU"] = 2.0  # room for one 2-rank job at a time
+    h = harness.headers(harness.tenant_token("alice"))
+    low = c.post("/v1/jobs", json={"spec": TINY, "priority": 0}, headers=h).json()
+    high = c.post("/v1/jobs", json={"spec": TINY, "priority": 5}, headers=h).json()
+    harness.tick()
+    assert fake.launched == [high["id"]]
+    assert c.get(f"/v1/jobs/{high['id']}", headers=h).json()["status"] == "starting"
+    # The queued job's bundles were asked of the autoscaler.
+    assert fake.requests[-1] == [{"CPU": 2.0}]
+    fake.move(high["id"], "running", "training", step=3)
+    harness.tick()
+    job = c.get(f"/v1/jobs/{high['id']}", headers=h).json()
+    assert job["status"] == "running" and job["step"] == 3 and job["started_at"]
+    fake.move(high["id"], "succeeded", "completed", step=10)
+    harness.tick()  # sync frees the capacity, then admits the next one
+    assert fake.launched == [high["id"], low["id"]]
+    assert fake.requests[-1] == []  # queue drained: request withdrawn
+    done = c.get(f"/v1/jobs/{high['id']}", headers=h).json()
+    assert done["status"] == "succeeded" and done["finished_at"]
+    events = c.get(f"/v1/jobs/{high['id']}/events", headers=h).json()
+    assert [e["reason"] for e in events][:2] == ["submitted", "admitted"]
+    assert {"training", "completed"} <= {e["reason"] for e in events}
+    logs = c.get(f"/v1/jobs/{high['id']}/logs", headers=h).json()
+    assert logs and "tokens/s" in logs[-1]["line"]
+    assert c.get(f"/v1/jobs/{high['id']}/metrics", headers=h).json()["job_id"] == high["id"]
+    cluster = c.get("/v1/cluster", headers=h).json()
+    assert cluster["total"]["CPU"] == 2.0
+
+
+def test_autoscaler_request_is_bounded_by_the_cluster_maximum(harness):
+    fake = harness.backend
+    fake.total["CPU"] = 0.0
+    h = harness.headers(harness.tenant_token("alice"))
+    huge = {**TINY, "resources": {"dp": 10, "cpus_per_rank": 2}}  # 20 CPUs > max 16
+    harness.client.post("/v1/jobs", json={"spec": huge}, headers=h)
+    harness.client.post("/v1/jobs", json={"spec": TINY}, headers=h)
+    harness.tick()
+    assert fake.requests[-1] == [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_cancel_queued_and_running_jobs(harness):
+    c, fake = harness.client, harness.backend
+    h = harness.headers(harness.tenant_token("alice"))
+    fake.total["CPU"] = 2.0
+    running = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    queued = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    harness.tick()
+    assert c.post(f"/v1/jobs/{queued['id']}/cancel", headers=h).json()["status"] == "cancelled"
+    assert c.post(f"/v1/jobs/{queued['id']}/cancel", headers=h).status_code == 409
+    c.post(f"/v1/jobs/{running['id']}/cancel", headers=h)
+    assert fake.cancelled == [running["id"]]
+    harness.tick()
+    assert c.get(f"/v1/jobs/{running['id']}", headers=h).json()["status"] == "cancelled"
+
+
+def test_jobs_and_events_survive_a_restart_and_running_jobs_are_reattached(database_url, tmp_path):
+    first = Harness(database_url, tmp_path / "data")
+    h = first.headers(first.tenant_token("alice"))
+    job = first.client.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    first.tick()
+    first.backend.move(job["id"], "running", "training", step=2)
+    first.tick()
+    before = first.client.get(f"/v1/jobs/{job['id']}/events", headers=h).json()
+    first.client.close()
+    first.service.engine.dispose()
+    # A new control plane on the same store and the same cluster (the supervisor lives on).
+    second = Harness(database_url, tmp_path / "data", backend=first.backend)
+    assert second.admin is None  # the admin token is created once, at the first start
+    assert second.client.get(f"/v1/jobs/{job['id']}/events", headers=h).json() == before
+    first.backend.move(job["id"], "succeeded", "completed", step=10)
+    second.tick()
+    after = second.client.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert after["status"] == "succeeded" and after["step"] == 10
+    second.client.close()
+    second.service.engine.dispose()
+
+
+def test_a_job_whose_supervisor_vanished_fails_with_that_reason(harness):
+    c, fake = harness.client, harness.backend
+    h = harness.headers(harness.tenant_token("alice"))
+    job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    harness.tick()
+    del fake.jobs[job["id"]]
+    harness.tick()
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert got["status"] == "failed" and got["reason"] == "supervisor_lost"
