@@ -5,8 +5,6 @@ Every /v1 route needs a bearer token; a tenant sees and cancels only its own job
 every tenant's jobs and create tenants and tokens.
 """
 
-from __future__ import annotations
-
 import time
 from collections.abc import Iterator
 from contextlib import asynccontextmanager

@@ -203,7 +203,7 @@ def test_scheduler_admits_by_priority_syncs_events_and_asks_the_autoscaler(harne
     assert fake.launched == [high["id"]]
     assert c.get(f"/v1/jobs/{high['id']}", headers=h).json()["status"] == "starting"
     # The queued job's bundles were asked of the autoscaler.
-    assert fake.requests[-1] == [{"CPU": 2.0}]
+    assert fake.requests[-1] == [{"CPU": 1.0}, {"CPU": 1.0}]
     fake.move(high["id"], "running", "training", step=3)
     harness.tick()
     job = c.get(f"/v1/jobs/{high['id']}", headers=h).json()
