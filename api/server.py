@@ -57,7 +57,7 @@ def start_ray_head(settings: Settings, num_cpus: float, num_gpus: int = 0) -> tu
         "--head",
         "--node-ip-address=127.0.0.1",
         f"--port={port}",
-        f"--num-cpus={num_cpus}",
+        f"--num-cpus={int(num_cpus)}",
         f"--num-gpus={num_gpus}",
         "--include-dashboard=false",
         f"--temp-dir={tmp}",

@@ -84,13 +84,16 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 def watch(client: Client, job_id: str, out=sys.stdout, poll_s: float = 1.0) -> int:
     """Follow a job to its end: a progress line (step, loss, tokens/s, ETA), events."""
     seen_events, seen_logs = 0, 0
+    tty = hasattr(out, "isatty") and out.isatty()
+    shown: tuple[str, int] | None = None
+    clear = f"\r{' ' * 100}\r" if tty else ""
     loss, rate = float("nan"), 0.0
     t0, step0 = time.monotonic(), None
     while True:
         job = client.job(job_id)
         for event in client.events(job_id, seen_events):
             seen_events = event["id"]
-            out.write(f"\r{' ' * 100}\r  [{event['kind']}] {event['message']}\n")
+            out.write(f"{clear}  [{event['kind']}] {event['message']}\n")
         for line in client.logs(job_id, seen_logs):
             seen_logs = line["id"]
             match = PROGRESS.search(line["line"])
@@ -104,13 +107,19 @@ def watch(client: Client, job_id: str, out=sys.stdout, poll_s: float = 1.0) -> i
         if step0 is not None and step > step0:
             per_step = (time.monotonic() - t0) / (step - step0)
             eta = time.strftime("%H:%M:%S", time.gmtime(per_step * (steps - step)))
-        out.write(
-            f"\r{job['status']:>9} step {step}/{steps} [{_bar(step, steps)}] "
-            f"loss {loss:.4f} {rate:,.0f} tokens/s ETA {eta}  "
+        line = (
+            f"{job['status']:>9} step {step}/{steps} [{_bar(step, steps)}] "
+            f"loss {loss:.4f} {rate:,.0f} tokens/s ETA {eta}"
         )
+        if tty:
+            out.write(f"\r{line}  ")
+        elif (job["status"], step) != shown:  # a log: one line per change
+            out.write(line + "\n")
+            shown = (job["status"], step)
         out.flush()
         if job["status"] in ("succeeded", "failed", "cancelled"):
-            out.write(f"\n{job['status']}: {job['reason']}: {job['message']}\n")
+            end = "\n" if tty else ""
+            out.write(f"{end}{job['status']}: {job['reason']}: {job['message']}\n")
             return 0 if job["status"] == "succeeded" else 1
         time.sleep(poll_s)
 
@@ -136,7 +145,8 @@ def _status(args: argparse.Namespace) -> int:
         job = _client().job(args.id)
     except ApiError as exc:
         return _fail(exc)
-    job.pop("spec", None) if not args.spec else None
+    if not args.spec:
+        job.pop("spec", None)
     print(json.dumps(job, indent=2, default=str))
     return 0
 
@@ -172,7 +182,7 @@ def _cancel(args: argparse.Namespace) -> int:
 
 def add_service_parsers(sub) -> None:
     p = sub.add_parser("up", help="start the local stack: Ray, the API, SQLite (loopback)")
-    p.add_argument("--cpus", type=float, default=4.0, help="CPUs the local Ray offers")
+    p.add_argument("--cpus", type=int, default=4, help="CPUs the local Ray offers")
     p.add_argument("--gpus", type=int, default=0, help="GPUs the local Ray offers")
     p.add_argument("--port", type=int, default=0, help="API port (default 8765)")
     p.set_defaults(func=_up)

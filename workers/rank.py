@@ -159,8 +159,10 @@ class RankWorker:
         accum = engine.config.gradient_accumulation_steps
         tokens_per_step = spec.micro_batch * accum * spec.model.seq_len
         losses: dict[int, float] = {}
+        volume_per_step, seconds = 0, 0.0
         while self.step < until:
             t0 = time.perf_counter()
+            volume0 = engine.comm_ledger().volume_elements()
             total = 0.0
             for m in range(accum):
                 self._phase = f"forward {m}"
@@ -181,6 +183,7 @@ class RankWorker:
                 report = engine.step()
                 total += loss.item() / accum
             seconds = time.perf_counter() - t0
+            volume_per_step = engine.comm_ledger().volume_elements() - volume0
             self.step += 1
             self.tokens += tokens_per_step
             losses[self.step] = total
@@ -191,6 +194,8 @@ class RankWorker:
             "losses": losses,
             "step": self.step,
             "ledger": engine.memory_ledger().as_dict(),
+            "comm_volume_per_step": volume_per_step,
+            "tokens_per_second": tokens_per_step / seconds if seconds else 0.0,
         }
 
     def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> None:

@@ -411,7 +411,11 @@ class JobSupervisor:
             for s, values in per_step.items():
                 self._losses[s] = sum(values) / len(values)
             for r, res in enumerate(results):
-                self._rank_stats[r] = {"step": res["step"], "ledger": res["ledger"]}
+                self._rank_stats[r] = {
+                    k: res[k]
+                    for k in ("step", "ledger", "comm_volume_per_step", "tokens_per_second")
+                    if k in res
+                }
         try:
             stats = ray.get([a.stats.remote() for a in group.actors], timeout=10)
             with self._lock:
