@@ -7,9 +7,10 @@ import json
 import re
 import sys
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from zeroservice import planner
+if TYPE_CHECKING:  # the engine (and torch) load only when ``plan`` runs
+    from zeroservice import planner
 
 _COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _SIZE = {
@@ -114,6 +115,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_plan(args: argparse.Namespace) -> int:
     """0: printed; 1: a recommendation found nothing that fits; 2: bad input."""
+    from zeroservice import planner
+
     try:
         if args.paper:
             return _paper(args)
@@ -128,6 +131,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> planner.ModelSpec:
+    from zeroservice import planner
+
     shape = {"--gpt-layers": args.gpt_layers, "--gpt-dim": args.gpt_dim}
     shape["--gpt-heads"] = args.gpt_heads
     given = [flag for flag, v in shape.items() if v is not None]
@@ -155,6 +160,8 @@ def _model(args: argparse.Namespace) -> planner.ModelSpec:
 
 
 def _plan(args: argparse.Namespace, model: planner.ModelSpec) -> int:
+    from zeroservice import planner
+
     for flag, value in (("--dp", args.dp), ("--stage", args.stage)):
         if value is None:
             raise _UsageError(f"{flag}: required (or --paper, or --recommend)")
@@ -181,6 +188,8 @@ def _plan(args: argparse.Namespace, model: planner.ModelSpec) -> int:
 
 
 def _recommend(args: argparse.Namespace, model: planner.ModelSpec) -> int:
+    from zeroservice import planner
+
     flags = {"--ranks": args.ranks, "--devices-per-node": args.devices_per_node}
     flags["--device-memory"] = args.device_memory
     for flag, value in flags.items():
@@ -228,6 +237,8 @@ _KINDS = (
 
 def format_plan(plan: planner.MemoryPlan) -> str:
     """The plan as a table of bytes per rank by kind."""
+    from zeroservice import planner
+
     head = (
         f"ZeRO stage {plan.stage}, {plan.precision}, N_d = {plan.dp}, N_m = {plan.mp}: "
         f"Ψ = {plan.psi:,} ({plan.psi_local:,} per model-parallel rank)"
@@ -241,6 +252,8 @@ def format_plan(plan: planner.MemoryPlan) -> str:
 
 
 def _paper(args: argparse.Namespace) -> int:
+    from zeroservice import planner
+
     rows = planner.paper_table()
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=2))
