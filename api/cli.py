@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from api.plan_cli import add_plan_parser
+
 
 def _demo(args: argparse.Namespace) -> int:
     from zeroservice.demo import DemoSpec, format_report, train
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="output file (.safetensors, or .pt)")
     export.add_argument("--format", choices=("safetensors", "pt"), help="default: from OUT")
     export.set_defaults(func=_checkpoint_export)
+    add_plan_parser(sub)
 
     from .service_cli import add_service_parsers
 

@@ -376,8 +376,13 @@ class Recommendation:
     device_memory_bytes: int
     usable_bytes: int
     """device_memory_bytes * headroom: what a configuration may use."""
-    considered: int
+    candidates: tuple[Candidate, ...]
+    """Every configuration weighed."""
     reason: str
+
+    @property
+    def considered(self) -> int:
+        return len(self.candidates)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -516,7 +521,7 @@ def recommend(
             f"{human_bytes(usable)} ({headroom:.0%} of {human_bytes(device_memory_bytes)})"
         )
         return Recommendation(
-            False, None, smallest, device_memory_bytes, usable, len(candidates), reason
+            False, None, smallest, device_memory_bytes, usable, tuple(candidates), reason
         )
     choice = min(fitting, key=rank)
     reason = (
@@ -524,7 +529,7 @@ def recommend(
         f"{human_bytes(usable)} usable, {human_bytes(choice.comm_bytes)} sent per rank per step"
     )
     return Recommendation(
-        True, choice, smallest, device_memory_bytes, usable, len(candidates), reason
+        True, choice, smallest, device_memory_bytes, usable, tuple(candidates), reason
     )
 
 

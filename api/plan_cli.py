@@ -1,0 +1,303 @@
+"""``zeroservice plan``: bytes per rank of a ZeRO configuration, Table 1, a recommendation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from decimal import ROUND_HALF_UP, Decimal
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the engine (and torch) load only when ``plan`` runs
+    from zeroservice import planner
+
+_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_SIZE = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+# PlanError fields, as the flags that set them.
+_FLAGS = {
+    "params": "--params",
+    "dp": "--dp",
+    "mp": "--mp",
+    "stage": "--stage",
+    "precision": "--precision",
+    "optimizer_bytes": "--optimizer-bytes",
+    "bucket_elements": "--bucket-elements",
+    "micro_batch": "--micro-batch",
+    "seq_len": "--seq",
+    "layers": "--gpt-layers",
+    "dim": "--gpt-dim",
+    "heads": "--gpt-heads",
+    "vocab": "--vocab",
+    "vocab_size": "--vocab",
+    "n_layer": "--gpt-layers",
+    "n_head": "--gpt-heads",
+    "ranks": "--ranks",
+    "devices_per_node": "--devices-per-node",
+    "device_memory_bytes": "--device-memory",
+    "headroom": "--headroom",
+    "partition_activations": "--partition-activations",
+    "cpu_offload_activations": "--cpu-offload-activations",
+    "model": "--params or --gpt-layers/--gpt-dim/--gpt-heads",
+}
+
+
+class _UsageError(Exception):
+    """Bad input, already worded for the command line."""
+
+
+def _parse(value: str, units: dict[str, int], what: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+    amount = Decimal(match.group(1)) * units[match.group(2).lower()]
+    if amount != amount.to_integral_value() or amount < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return int(amount)
+
+
+def _count(value: str) -> int:
+    return _parse(value, _COUNT, "a count (e.g. 7.5e9 or 7.5B)")
+
+
+def _size(value: str) -> int:
+    return _parse(value, _SIZE, "a size (e.g. 80GiB or 80e9)")
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``plan`` on the ``zeroservice`` command's sub-parsers."""
+    p = subparsers.add_parser(
+        "plan",
+        help="memory per rank of a ZeRO configuration, the paper's Table 1, a recommendation",
+        description=__doc__,
+    )
+    model = p.add_argument_group("model (--params, or the reference GPT by its shape)")
+    model.add_argument("--params", type=_count, help="parameters Ψ, e.g. 7.5e9 or 128B")
+    model.add_argument("--gpt-layers", type=int, help="transformer layers")
+    model.add_argument("--gpt-dim", type=int, help="hidden size")
+    model.add_argument("--gpt-heads", type=int, help="attention heads")
+    model.add_argument("--vocab", type=int, help="vocabulary size (GPT default 8192)")
+    model.add_argument("--seq", type=int, help="sequence length (GPT default 128)")
+    run = p.add_argument_group("configuration")
+    run.add_argument("--dp", type=int, help="data-parallel ranks N_d")
+    run.add_argument("--mp", type=int, default=1, help="model-parallel ranks N_m (default 1)")
+    run.add_argument("--stage", type=int, help="ZeRO stage 0-3")
+    run.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    run.add_argument("--optimizer-bytes", type=int, default=8, help="per element (Adam: 8)")
+    run.add_argument("--bucket-elements", type=_count, default=2**23)
+    run.add_argument("--micro-batch", type=int, help="samples per micro-batch: activations")
+    run.add_argument("--offload-optimizer", action="store_true", help="master + states on host")
+    run.add_argument("--checkpoint-activations", action="store_true")
+    run.add_argument("--partition-activations", action="store_true", help="checkpoints / N_m")
+    run.add_argument("--cpu-offload-activations", action="store_true", help="checkpoints on host")
+    modes = p.add_argument_group("other modes")
+    modes.add_argument("--paper", action="store_true", help="print the paper's Table 1")
+    modes.add_argument("--recommend", action="store_true", help="choose stage, N_d, N_m")
+    modes.add_argument("--ranks", type=int, help="recommend: devices in all")
+    modes.add_argument("--devices-per-node", type=int, help="recommend: N_m stays in a node")
+    modes.add_argument("--device-memory", type=_size, help="recommend: e.g. 80GiB")
+    modes.add_argument("--headroom", type=float, default=0.9, help="usable share (0.9)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """0: printed; 1: a recommendation found nothing that fits; 2: bad input."""
+    from zeroservice import planner
+
+    try:
+        if args.paper:
+            return _paper(args)
+        model = _model(args)
+        return _recommend(args, model) if args.recommend else _plan(args, model)
+    except _UsageError as exc:
+        print(f"zeroservice plan: {exc}", file=sys.stderr)
+    except planner.PlanError as exc:
+        field, _, rest = str(exc).partition(": ")
+        print(f"zeroservice plan: {_FLAGS.get(field, field)}: {rest}", file=sys.stderr)
+    return 2
+
+
+def _model(args: argparse.Namespace) -> planner.ModelSpec:
+    from zeroservice import planner
+
+    shape = {"--gpt-layers": args.gpt_layers, "--gpt-dim": args.gpt_dim}
+    shape["--gpt-heads"] = args.gpt_heads
+    given = [flag for flag, v in shape.items() if v is not None]
+    if given and len(given) < len(shape):
+        missing = ", ".join(f for f in shape if f not in given)
+        raise _UsageError(f"{missing}: required with {', '.join(given)}")
+    if args.params is not None:
+        return planner.ModelSpec(
+            args.params, args.gpt_layers, args.gpt_dim, args.gpt_heads, args.seq, args.vocab
+        )
+    if not given:
+        raise _UsageError("--params or --gpt-layers/--gpt-dim/--gpt-heads: describe the model")
+    from zeroservice.models import GPTConfig
+
+    fields: dict[str, Any] = {"n_layer": args.gpt_layers, "dim": args.gpt_dim}
+    fields["n_head"] = args.gpt_heads
+    if args.vocab is not None:
+        fields["vocab_size"] = args.vocab
+    if args.seq is not None:
+        fields["seq_len"] = args.seq
+    try:
+        return planner.describe(GPTConfig(**fields))
+    except ValueError as exc:
+        raise planner.PlanError(str(exc)) from None
+
+
+def _plan(args: argparse.Namespace, model: planner.ModelSpec) -> int:
+    from zeroservice import planner
+
+    for flag, value in (("--dp", args.dp), ("--stage", args.stage)):
+        if value is None:
+            raise _UsageError(f"{flag}: required (or --paper, or --recommend)")
+    result = planner.plan(
+        model,
+        dp=args.dp,
+        mp=args.mp,
+        stage=args.stage,
+        precision=args.precision,
+        optimizer_bytes=args.optimizer_bytes,
+        offload_optimizer=args.offload_optimizer,
+        activation_checkpointing=args.checkpoint_activations,
+        partition_activations=args.partition_activations,
+        cpu_offload_activations=args.cpu_offload_activations,
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        bucket_elements=args.bucket_elements,
+    )
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(format_plan(result))
+    return 0
+
+
+def _recommend(args: argparse.Namespace, model: planner.ModelSpec) -> int:
+    from zeroservice import planner
+
+    flags = {"--ranks": args.ranks, "--devices-per-node": args.devices_per_node}
+    flags["--device-memory"] = args.device_memory
+    for flag, value in flags.items():
+        if value is None:
+            raise _UsageError(f"{flag}: required with --recommend")
+    result = planner.recommend(
+        model,
+        ranks=args.ranks,
+        devices_per_node=args.devices_per_node,
+        device_memory_bytes=args.device_memory,
+        precision=args.precision,
+        seq_len=args.seq,
+        micro_batch=args.micro_batch or 1,
+        optimizer_bytes=args.optimizer_bytes,
+        offload_optimizer=args.offload_optimizer,
+        partition_activations=args.partition_activations,
+        cpu_offload_activations=args.cpu_offload_activations,
+        bucket_elements=args.bucket_elements,
+        headroom=args.headroom,
+    )
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    elif result.choice is None:
+        print(f"zeroservice plan: {result.reason}", file=sys.stderr)
+    else:
+        print(f"recommended: {result.reason} ({result.considered} configurations weighed)\n")
+        print(format_plan(result.choice.plan))
+    return 0 if result.fits else 1
+
+
+_KINDS = (
+    ("params", "parameters"),
+    ("grads", "gradients"),
+    ("master", "fp32 master weights"),
+    ("optimizer_states", "optimizer states"),
+    ("model_states", "model states"),
+    ("activations", "activations (device)"),
+    ("activations_offloaded", "activations (host)"),
+    ("comm_buffers", "gradient staging"),
+    ("gathered_params", "gathered parameters"),
+    ("device_total", "device total"),
+    ("host_total", "host total"),
+)
+
+
+def format_plan(plan: planner.MemoryPlan) -> str:
+    """The plan as a table of bytes per rank by kind."""
+    from zeroservice import planner
+
+    head = (
+        f"ZeRO stage {plan.stage}, {plan.precision}, N_d = {plan.dp}, N_m = {plan.mp}: "
+        f"Ψ = {plan.psi:,} ({plan.psi_local:,} per model-parallel rank)"
+    )
+    values = plan.as_dict()
+    lines = [head, f"{'kind':<24}{'per rank':>14}{'bytes':>24}"]
+    for key, label in _KINDS:
+        n = int(values[key])
+        lines.append(f"{label:<24}{planner.human_bytes(n):>14}{n:>24,}")
+    return "\n".join(lines)
+
+
+def _paper(args: argparse.Namespace) -> int:
+    from zeroservice import planner
+
+    rows = planner.paper_table()
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=2))
+        return 0
+    print(format_paper(rows))
+    return 0
+
+
+def format_paper(rows: list[planner.PaperRow]) -> str:
+    """Table 1 as the paper lays it out: one row per N_d, a column group per model."""
+    models = sorted({r.psi for r in rows})
+    names = {7_500_000_000: "7.5B", 128_000_000_000: "128B", 1_000_000_000_000: "1T"}
+    cell = 9
+    title = "".join(f"{names.get(m, f'{m:.3g}') + ' Model':^{3 * cell}}|" for m in models)
+    sub = ("Pos".rjust(cell) + "Pos+g".rjust(cell) + "Pos+g+p".rjust(cell) + "|") * len(models)
+    lines = [
+        "Model-state memory per device (mixed precision, Adam: K = 12)",
+        f"{'DP':>5} |{title}",
+        f"{'':>5} |{sub}",
+    ]
+    for n_d in sorted({r.n_d for r in rows}):
+        line = f"{n_d:>5} |"
+        for m in models:
+            r = next(r for r in rows if r.psi == m and r.n_d == n_d)
+            tb = m >= 10**12
+            line += "".join(
+                _paper_number(gb, tb).rjust(cell) + ("|" if i == 2 else "")
+                for i, gb in enumerate((r.p_os, r.p_os_g, r.p_os_g_p))
+            )
+        lines.append(line)
+    lines.append("GB = 1e9 bytes; TB = 1e12 bytes (the 1T model, as the paper prints it)")
+    return "\n".join(lines)
+
+
+def _paper_number(gb: float, tb: bool) -> str:
+    """Three significant digits, at most two decimals, halves rounded up, as printed."""
+    unit = ""
+    if tb and gb >= 1000:
+        gb, unit = gb / 1000, " TB"
+    elif tb:
+        unit = " GB"
+    value = Decimal(repr(gb))
+    digits = 0 if value >= 100 else 1 if value >= 10 else 2
+    text = str(value.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text + unit
