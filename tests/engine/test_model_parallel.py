@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine.mp_scenarios import MPSpec, gradients, train
+from tests.engine.mp_scenarios import TINY_MP, MPSpec, gradients, train
 from zeroservice.config import ConfigError, ZeroConfig
 from zeroservice.launch import run_local
 from zeroservice.models import GPT, GPTConfig
+from zeroservice.planner import plan
 from zeroservice.topology import TopologyError, check_degrees
 
 WORLD = 4
@@ -93,6 +94,11 @@ def test_mp2_dp2_trains_like_mp1_dp4(stage):
     # Each MP rank holds its slice: the formula over this rank's Ψ, to the byte.
     assert tp["ledger"]["model_states"] == tp["ledger"]["expected_padded"]
     assert tp["ledger"]["psi"] < ref["ledger"]["psi"]
+    # The planner predicts this MP rank's slice and its model states from the config.
+    for mp, run in ((2, tp), (1, ref)):
+        predicted = plan(GPTConfig(**TINY_MP), dp=4 // mp, mp=mp, stage=stage, precision="fp32")
+        assert predicted.psi_local == run["ledger"]["psi"]
+        assert predicted.model_states == run["ledger"]["expected"]
 
 
 def test_mp_with_accumulation():
