@@ -38,6 +38,7 @@ from .schemas import (
     TenantCreate,
     TokenCreate,
     TokenOut,
+    TokenRevoke,
 )
 from .settings import Settings
 
@@ -57,7 +58,7 @@ class Service:
         self.scheduler = Scheduler(self.sessions, backend, settings, self.metrics)
         self.start_scheduler = start_scheduler
         with self.sessions() as session:
-            self.bootstrap_token = store.bootstrap_admin(session)
+            self.bootstrap_token = store.bootstrap_admin(session, settings.admin_token)
 
     def _live_metrics(self) -> dict[str, Any]:
         with self.sessions() as session:
@@ -255,12 +256,13 @@ def create_app(service: Service) -> FastAPI:
     def job_metrics(job_id: str, db: Db, who: Who) -> MetricsOut:
         job = job_or_404(db, who, job_id)
         live = False
-        ranks = job.metrics or {}
+        stored = job.metrics or {}
+        ranks, history = stored.get("ranks", {}), stored.get("history", [])
         if job.status in ACTIVE:
             snap = service.backend.poll(job.id, 10**9, 10**9)
             if snap is not None and snap.get("metrics"):
-                ranks, live = snap["metrics"], True
-        return MetricsOut(job_id=job.id, step=job.step, ranks=ranks, live=live)
+                ranks, history, live = snap["metrics"], snap.get("history", history), True
+        return MetricsOut(job_id=job.id, step=job.step, ranks=ranks, history=history, live=live)
 
     # -- planning and the cluster ----------------------------------------------------------
     @app.post("/v1/plan", tags=["plan"])
@@ -300,5 +302,20 @@ def create_app(service: Service) -> FastAPI:
             raise HTTPException(404, f"tenant {body.tenant!r} not found")
         token = store.create_token(db, tenant, body.admin, body.name)
         return TokenOut(token=token, tenant=tenant.name, admin=body.admin, prefix=token[:10])
+
+    @app.post("/v1/tokens/revoke", tags=["admin"])
+    def revoke_token(body: TokenRevoke, db: Db, who: Annotated[Principal, Depends(admin)]):
+        if body.prefix == who_prefix(db, who):
+            raise HTTPException(409, "this is the token making the request; use another")
+        revoked = store.revoke_token(db, body.prefix)
+        if not revoked:
+            raise HTTPException(404, f"no live token starts with {body.prefix!r}")
+        return {"revoked": revoked}
+
+    def who_prefix(db: Session, who: Principal) -> str:
+        from .db import ApiToken
+
+        tok = db.get(ApiToken, who.token_id)
+        return tok.prefix if tok is not None else ""
 
     return app

@@ -128,7 +128,7 @@ class Scheduler:
         job.attempts, job.current_dp, job.step = st["restarts"], st["dp"], st["step"]
         job.checkpoint_path = st.get("checkpoint_root", job.checkpoint_path)
         if snap.get("metrics"):
-            job.metrics = snap["metrics"]
+            job.metrics = {"ranks": snap["metrics"], "history": snap.get("history", [])}
         job.updated_at = utcnow()
         store.set_status(session, job, st["status"], st["reason"], st["message"], record=False)
         if job.status in TERMINAL:

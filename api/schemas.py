@@ -76,7 +76,9 @@ class MetricsOut(BaseModel):
     job_id: str
     step: int
     ranks: dict[str, Any]
-    """Per rank: memory by kind (ledger), loss, step seconds, TFLOPS."""
+    """Per rank: memory by kind (ledger), loss, step seconds, TFLOPS, bus bandwidth."""
+    history: list[dict[str, Any]] = []
+    """Per chunk of steps: step, loss, tokens/s (all replicas), dp."""
     live: bool
     """True when read from the running supervisor, False when the stored last snapshot."""
 
@@ -111,3 +113,8 @@ class TokenOut(BaseModel):
     tenant: str
     admin: bool
     prefix: str
+
+
+class TokenRevoke(_Body):
+    prefix: str = Field(min_length=8, max_length=16)
+    """The token's first characters, as listed when it was created (``prefix``)."""

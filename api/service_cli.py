@@ -180,6 +180,21 @@ def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from .report import render
+
+    try:
+        client = _client()
+        job = client.job(args.id)
+        metrics = client.metrics(args.id)
+        files = render(job, metrics, args.out or f"report-{args.id[:8]}")
+    except (ApiError, ValueError) as exc:
+        return _fail(exc)
+    for path in files:
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
 def add_service_parsers(sub) -> None:
     p = sub.add_parser("up", help="start the local stack: Ray, the API, SQLite (loopback)")
     p.add_argument("--cpus", type=int, default=4, help="CPUs the local Ray offers")
@@ -198,6 +213,10 @@ def add_service_parsers(sub) -> None:
     p.add_argument("--status")
     p.add_argument("--limit", type=int, default=50)
     p.set_defaults(func=_list)
+    p = sub.add_parser("report", help="PNG plots of a job: memory, loss, throughput, bandwidth")
+    p.add_argument("id")
+    p.add_argument("--out", help="directory (default: report-<id prefix>)")
+    p.set_defaults(func=_report)
     for name, func, text in (
         ("status", _status, "a job's status"),
         ("events", _events, "a job's events"),

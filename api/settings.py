@@ -33,6 +33,10 @@ class Settings:
     """Memory per GPU rank that submitted jobs' memory plans are checked against."""
     cpu_rank_memory_gib: float = 16.0
     """Memory per CPU rank for the same check."""
+    admin_token: str | None = field(default=None, repr=False)
+    """An admin token provisioned from outside (a Kubernetes Secret, compose): ensured
+    to exist at start; without one, the first start creates a token and writes it to
+    the data directory."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -59,6 +63,8 @@ class Settings:
             kwargs["max_cluster"] = json.loads(env["ZEROSERVICE_MAX_CLUSTER"])
         if "ZEROSERVICE_DEVICE_MEMORY_GIB" in env:
             kwargs["device_memory_gib"] = float(env["ZEROSERVICE_DEVICE_MEMORY_GIB"])
+        if env.get("ZEROSERVICE_ADMIN_TOKEN"):
+            kwargs["admin_token"] = env["ZEROSERVICE_ADMIN_TOKEN"]
         if "ZEROSERVICE_CPU_RANK_MEMORY_GIB" in env:
             kwargs["cpu_rank_memory_gib"] = float(env["ZEROSERVICE_CPU_RANK_MEMORY_GIB"])
         return cls(**kwargs)

@@ -65,13 +65,45 @@ def create_token(session: Session, tenant: Tenant, admin: bool, name: str = "") 
     return token
 
 
-def bootstrap_admin(session: Session) -> str | None:
-    """At first start (no token at all): an ``admin`` tenant and its admin token, which
-    is returned once; None when tokens exist."""
+def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | None:
+    """The ``admin`` tenant's token. A provisioned token (from a secret) is made to
+    exist and None returned; otherwise, at first start only (no token at all), a new
+    token is created and returned once."""
+    if provisioned is not None:
+        if len(provisioned) < 20:
+            raise ValueError("ZEROSERVICE_ADMIN_TOKEN: use at least 20 random characters")
+        digest = hash_token(provisioned)
+        if session.execute(select(ApiToken).where(ApiToken.token_hash == digest)).first():
+            return None
+        tenant = tenant_by_name(session, "admin") or create_tenant(session, "admin")
+        session.add(
+            ApiToken(
+                tenant_id=tenant.id,
+                token_hash=digest,
+                prefix=provisioned[:10],
+                admin=True,
+                name="provisioned",
+            )
+        )
+        session.commit()
+        return None
     if session.execute(select(func.count(ApiToken.id))).scalar_one():
         return None
     tenant = tenant_by_name(session, "admin") or create_tenant(session, "admin")
     return create_token(session, tenant, admin=True, name="bootstrap")
+
+
+def revoke_token(session: Session, prefix: str) -> int:
+    """Revoke every live token starting with ``prefix`` (at least 8 characters)."""
+    rows = session.execute(
+        select(ApiToken).where(ApiToken.prefix.startswith(prefix), ApiToken.revoked_at.is_(None))
+    ).scalars()
+    count = 0
+    for row in rows:
+        row.revoked_at = utcnow()
+        count += 1
+    session.commit()
+    return count
 
 
 @dataclass

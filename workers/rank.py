@@ -219,11 +219,12 @@ class RankWorker:
             "peak": peak,
         }
         self.metrics.step_seconds.observe(seconds)
+        self.metrics_collectives = self._collectives()
         self.metrics.update(
             memory=memory,
             expected=ledger.expected_padded,
             model_states=ledger.model_states,
-            collectives=self._collectives(),
+            collectives=self.metrics_collectives,
             tflops=tflops,
             mfu=tflops / self.peak if self.peak else None,
             loss=loss,
@@ -231,7 +232,14 @@ class RankWorker:
             step=self.step,
             tokens=self.tokens,
         )
-        self._last = {"memory": memory, "loss": loss, "seconds": seconds, "tflops": tflops}
+        busbw = {f"{op}/{group}": c["busbw"] for (op, group), c in self.metrics_collectives.items()}
+        self._last = {
+            "memory": memory,
+            "loss": loss,
+            "seconds": seconds,
+            "tflops": tflops,
+            "busbw": busbw,
+        }
 
     def _collectives(self) -> dict[tuple[str, str], dict[str, float]]:
         assert self.engine is not None

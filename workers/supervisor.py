@@ -82,6 +82,8 @@ class JobSupervisor:
         self._status, self._reason, self._message = "queued", "submitted", ""
         self._events: list[dict[str, Any]] = []
         self._log: list[str] = []
+        self._history: list[dict[str, Any]] = []
+        """Per chunk of steps: step, loss, tokens/s of all replicas, dp."""
         self._losses: dict[int, float] = {}
         self._restarts = 0
         self._dp = 0
@@ -137,8 +139,13 @@ class JobSupervisor:
             "events": self.events(events_since),
             "logs": self.logs(logs_since),
             "metrics": self.metrics(),
+            "history": self.history(),
             "targets": self.targets(),
         }
+
+    def history(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(h) for h in self._history]
 
     def losses(self) -> dict[int, float]:
         with self._lock:
@@ -379,8 +386,18 @@ class JobSupervisor:
             seconds = time.monotonic() - t0
             accum = spec.zero_config().gradient_accumulation_steps
             tokens = (target - step) * spec.micro_batch * accum * spec.model.seq_len * self._dp
+            loss = self._losses.get(target, float("nan"))
+            with self._lock:
+                self._history.append(
+                    {
+                        "step": target,
+                        "loss": loss,
+                        "tokens_per_second": tokens / seconds,
+                        "dp": self._dp,
+                    }
+                )
             self._line(
-                f"step {target}/{spec.steps} loss {self._losses.get(target, float('nan')):.4f} "
+                f"step {target}/{spec.steps} loss {loss:.4f} "
                 f"{tokens / seconds:,.0f} tokens/s dp {self._dp}"
             )
             step = target

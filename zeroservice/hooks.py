@@ -132,15 +132,13 @@ class GradReducer:
         device = units[0].flat.device
         self.full_grads: list[torch.Tensor] = []
         self.shard_grads: list[torch.Tensor] = []
+        # M_D: every unit's resident gradient is a slice of one buffer allocated up front,
+        # so these long-lived tensors never interleave with backward's temporaries.
         if policy.keep_full_grads:
-            self.full_grads = [
-                torch.zeros(u.padded_numel, dtype=grad_dtype, device=device) for u in units
-            ]
+            self.full_grads = _slices([u.padded_numel for u in units], grad_dtype, device)
             self._grad_views = [u.views_of(g) for u, g in zip(units, self.full_grads, strict=True)]
         else:
-            self.shard_grads = [
-                torch.zeros(u.shard_numel, dtype=grad_dtype, device=device) for u in units
-            ]
+            self.shard_grads = _slices([u.shard_numel for u in units], grad_dtype, device)
         self._cast = comm_dtype != grad_dtype
         self.external = staging
         largest = max(u.padded_numel for u in units)
@@ -412,3 +410,9 @@ class GradReducer:
             self.external.give(lease.buffer)
         else:
             self.pool.release(lease.buffer, lease.temporary)
+
+
+def _slices(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Zeroed tensors of the given sizes, all views of one contiguous allocation."""
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    return list(flat.split(sizes))

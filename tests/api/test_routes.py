@@ -281,3 +281,42 @@ def test_a_job_whose_supervisor_vanished_fails_with_that_reason(harness):
     harness.tick()
     got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
     assert got["status"] == "failed" and got["reason"] == "supervisor_lost"
+
+
+def test_provisioned_admin_token_and_revocation(database_url, tmp_path):
+    from api.app import Service
+
+    provisioned = "zs_provisioned-token-0123456789abcdef"
+    h = Harness(database_url, tmp_path / "data")
+    h.client.close()
+    h.service.engine.dispose()
+    h.settings.admin_token = provisioned
+    service = Service(h.settings, h.backend, start_scheduler=False)
+    assert service.bootstrap_token is None  # ensured, not generated
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    client = TestClient(create_app(service))
+    admin = {"Authorization": f"Bearer {provisioned}"}
+    assert client.get("/v1/jobs", headers=admin).status_code == 200
+    r = client.post("/v1/tokens", json={"tenant": "admin", "admin": True}, headers=admin)
+    second = r.json()
+    other = {"Authorization": f"Bearer {second['token']}"}
+    # A token cannot revoke itself; another admin token can, and it stops working.
+    assert (
+        client.post(
+            "/v1/tokens/revoke", json={"prefix": provisioned[:10]}, headers=admin
+        ).status_code
+        == 409
+    )
+    assert client.post(
+        "/v1/tokens/revoke", json={"prefix": provisioned[:10]}, headers=other
+    ).json() == {"revoked": 1}
+    assert client.get("/v1/jobs", headers=admin).status_code == 401
+    assert (
+        client.post("/v1/tokens/revoke", json={"prefix": "zs_nothing"}, headers=other).status_code
+        == 404
+    )
+    client.close()
+    service.engine.dispose()

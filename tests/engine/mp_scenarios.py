@@ -105,6 +105,7 @@ def gradients(specs: list[MPSpec]) -> list[dict]:
             engine.backward(loss)
             if step == 0:
                 grads = [g.detach().clone() for g in engine.reducer.grad_shards()]
+                storages = {g.untyped_storage().data_ptr() for g in engine.reducer.grad_shards()}
             engine.step()
             losses.append(loss.item())
         ledger = engine.memory_ledger()
@@ -119,6 +120,7 @@ def gradients(specs: list[MPSpec]) -> list[dict]:
                 "overflows": store.overflows if store else None,
                 "arena_allocations": store.arena_allocations if store else None,
                 "saved": store.saved if store else None,
+                "grad_storages": len(storages),
             }
         )
         engine.close()

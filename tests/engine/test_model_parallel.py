@@ -137,6 +137,7 @@ def test_checkpointing_gives_the_same_gradients(stage, variant):
             assert torch.equal(a, b)
         assert out["losses"] == base["losses"]
         assert out["overflows"] == 0
+        assert out["grad_storages"] == 1  # M_D: every unit's gradient in one buffer
 
 
 @pytest.mark.parametrize("stage", (0, 2, 3))

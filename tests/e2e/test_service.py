@@ -1,0 +1,99 @@
+"""The whole stack as a user runs it: `zeroservice up`, the CLI, a real local Ray,
+the API restarted under a running job, cancellation, `zeroservice down`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+JOB = {
+    "name": "e2e",
+    "model": {"vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32},
+    "engine": {"stage": 3, "bucket_elements": 4096},
+    "optimizer": {"lr": 3e-3},
+    "steps": 12,
+    "micro_batch": 2,
+    "resources": {"dp": 2, "cpus_per_rank": 1},
+    "checkpoint": {"interval_steps": 4},
+    "timeouts": {"bootstrap_s": 120, "step_s": 120},
+}
+
+
+def _rank_processes() -> int:
+    count = 0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
+                    count += 1
+            except OSError:
+                pass
+    return count
+
+
+def _wait(cli, job_id, statuses, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = json.loads(cli("status", job_id).stdout)
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} never reached {statuses}")
+
+
+def test_submit_watch_restart_cancel(stack):
+    cli, env, tmp = stack
+    spec = tmp / "job.json"
+    spec.write_text(json.dumps(JOB))
+    watched = cli("submit", str(spec), "--watch")
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    assert "succeeded: completed: 12 steps" in watched.stdout
+    assert "step 12/12" in watched.stdout and "tokens/s" in watched.stdout
+    job_id = watched.stdout.split()[1]
+    events = cli("events", job_id).stdout
+    assert "checkpoint" in events and "completed" in events and "admitted" in events
+    assert "tokens/s" in cli("logs", job_id).stdout
+
+    # The API restarts under a running job: the job goes on and is reattached.
+    spec.write_text(json.dumps({**JOB, "steps": 120, "checkpoint": {"interval_steps": 20}}))
+    long = cli("submit", str(spec))
+    long_id = long.stdout.split()[1]
+    _wait(cli, long_id, {"running"})
+    record_path = Path(env["ZEROSERVICE_HOME"]) / "stack.json"
+    record = json.loads(record_path.read_text())
+    os.kill(record["api_pid"], signal.SIGTERM)
+    time.sleep(1.0)
+    server_env = dict(env, ZEROSERVICE_RAY_ADDRESS=record["ray_address"])
+    log = open(Path(env["ZEROSERVICE_HOME"]) / "api-2.log", "wb")  # noqa: SIM115
+    api = subprocess.Popen(
+        [sys.executable, "-m", "api.serve"], env=server_env, stdout=log, stderr=log
+    )
+    record["api_pid"] = api.pid
+    record_path.write_text(json.dumps(record))
+    done = _wait(cli, long_id, {"succeeded", "failed"}, timeout=300)
+    assert done["status"] == "succeeded", done
+    assert done["step"] == 120
+
+    # Cancel a running job: its rank actors are gone.
+    spec.write_text(json.dumps({**JOB, "steps": 100_000, "checkpoint": {"interval_steps": 50}}))
+    forever = cli("submit", str(spec)).stdout.split()[1]
+    _wait(cli, forever, {"running"})
+    time.sleep(2.0)
+    assert _rank_processes() == 2
+    assert "cancel requested" in cli("cancel", forever).stdout
+    assert _wait(cli, forever, {"cancelled"}, timeout=60)["reason"] == "cancelled"
+    deadline = time.monotonic() + 30
+    while _rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _rank_processes() == 0
+    listing = cli("list").stdout
+    assert listing.count("succeeded") == 2 and "cancelled" in listing
