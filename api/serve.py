@@ -21,12 +21,19 @@ log = logging.getLogger("zeroservice.api")
 
 
 def connect_ray(settings: Settings) -> None:
+    """Join the cluster. A cluster on this machine's loopback (the local stack) is
+    joined with the same loopback settings and HOME it was started with (so Ray
+    resolves no external address and finds the cluster's auth token)."""
+    from workers.cluster import is_loopback_address, use_loopback
+
+    if settings.ray_address is None:
+        raise RuntimeError("ZEROSERVICE_RAY_ADDRESS is not set: which Ray cluster to join?")
+    if is_loopback_address(settings.ray_address):
+        use_loopback(settings.data_dir / "ray-home")
     import ray
 
     if ray.is_initialized():
         return
-    if settings.ray_address is None:
-        raise RuntimeError("ZEROSERVICE_RAY_ADDRESS is not set: which Ray cluster to join?")
     ray.init(address=settings.ray_address, namespace="zeroservice", log_to_driver=False)
 
 

@@ -42,11 +42,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _clean_env(extra: dict[str, str], **more: str) -> dict[str, str]:
+    """This process's environment without Ray settings a previous Ray session in it left
+    (auth mode, token paths, addresses), plus ``extra``: the stack's Ray makes its own
+    token under its HOME, where the API finds it."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", "RAY_TMPDIR"))
+    }
+    env.update(extra)
+    env.update(more)
+    return env
+
+
 def start_ray_head(settings: Settings, num_cpus: float, num_gpus: int = 0) -> tuple[str, int]:
     """``ray start --head`` on loopback (see workers/cluster.py); returns (address, pid)."""
     from workers.cluster import loopback_env
 
-    env = dict(os.environ, **loopback_env(settings.data_dir / "ray-home"))
+    env = _clean_env(loopback_env(settings.data_dir / "ray-home"))
     tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"  # short: Ray's socket paths
     tmp.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -101,8 +115,8 @@ def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 1
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     address, _ = start_ray_head(settings, num_cpus, num_gpus)
     log = open(settings.data_dir / "api.log", "ab")  # noqa: SIM115 - handed to the child
-    env = dict(
-        os.environ,
+    env = _clean_env(
+        {},
         ZEROSERVICE_HOME=str(settings.data_dir),
         ZEROSERVICE_DATABASE_URL=settings.database_url,
         ZEROSERVICE_RAY_ADDRESS=address,

@@ -29,6 +29,21 @@ def loopback_env(home: str | Path) -> dict[str, str]:
     }
 
 
+def use_loopback(home: str | Path) -> None:
+    """Apply ``loopback_env`` to this process (before or after Ray was imported)."""
+    os.environ.update(loopback_env(home))
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def is_loopback_address(address: str | None) -> bool:
+    if not address:
+        return False
+    host = address.removeprefix("ray://").rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
 def actor_env() -> dict[str, str]:
     """Variables every rank actor gets (from this process's environment)."""
     keys = (
@@ -46,13 +61,11 @@ def start_local_ray(
 ):
     """A private local Ray instance on loopback (tests, the demo, ``zeroservice up``)."""
     workdir = Path(workdir)
-    os.environ.update(loopback_env(workdir / "home"))
+    # Read by Ray at import: if Ray was imported before the variables were set, they are
+    # applied now (Ray's own processes, started below, read them from the environment).
+    use_loopback(workdir / "home")
     import ray
-    from ray._private import ray_constants
 
-    # Read by Ray at import: if Ray was imported before the variable was set, apply it
-    # now (Ray's own processes, started below, read it from the environment).
-    ray_constants.ENABLE_RAY_CLUSTER = False
     tmp = workdir / "ray"
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(tmp)
