@@ -187,7 +187,9 @@ def plan(
                 f"{name}: applies to activation checkpoints; set activation_checkpointing"
             )
     psi_local = spec.params_per_mp_rank(mp)
-    params, grads, master, opt = model_state_kinds(stage, precision, psi_local, dp, optimizer_bytes)
+    params, grads, master, opt = model_state_kinds(
+        stage, precision, psi_local, dp, optimizer_bytes, offload_optimizer
+    )
     acts, acts_host = activation_bytes(
         spec,
         mp=mp,
@@ -204,7 +206,11 @@ def plan(
     if stage == 3:
         per_layer = psi_local // spec.layers if spec.layers else bucket_elements
         gathered = min(psi_local, 2 * per_layer) * p
-    host_states = master + opt if offload_optimizer else 0
+    # Offloaded: the master and optimizer states, and the fp32 gradient shard the
+    # reduced gradients are copied into for the host step.
+    shard = psi_local if stage == 0 else -(-psi_local // dp)
+    moved = master + opt if offload_optimizer else 0
+    host_states = moved + 4 * shard if offload_optimizer else 0
     model_states = params + grads + master + opt
     return MemoryPlan(
         stage=stage,
@@ -222,21 +228,27 @@ def plan(
         activations_offloaded=acts_host,
         comm_buffers=comm,
         gathered_params=gathered,
-        device_total=model_states - host_states + acts + comm + gathered,
+        device_total=model_states - moved + acts + comm + gathered,
         host_total=host_states + acts_host,
     )
 
 
 def model_state_kinds(
-    stage: int, precision: str, psi: int, n_d: int, optimizer_bytes: int = 8
+    stage: int,
+    precision: str,
+    psi: int,
+    n_d: int,
+    optimizer_bytes: int = 8,
+    offload: bool = False,
 ) -> tuple[int, int, int, int]:
     """(params, grads, master, optimizer states) bytes per rank.
 
     Their sum is memory.expected_model_state_bytes to the byte: a shard's rounding
     (under 3 bytes when N_d does not divide Ψ) is counted with the optimizer states.
+    With ``offload`` the master is a separate fp32 copy on the host even in fp32.
     """
     p = g = PARAM_BYTES[precision]
-    m = MASTER_BYTES[precision]
+    m = 4 if offload else MASTER_BYTES[precision]
     k = optimizer_bytes
     if stage == 0:
         return p * psi, g * psi, m * psi, k * psi

@@ -120,6 +120,12 @@ def test_optimizer_offload_trains_identically(stage):
     assert ledger["master"] == 4 * ledger["psi_padded"] // (1 if stage == 0 else 2)
     assert ledger["model_states"] == ledger["expected_padded"]
     assert ledger["device_model_states"] == ledger["params"] + ledger["grads"]
+    # The planner's offloaded plan: the same model states, the host part to the byte.
+    predicted = plan(
+        GPTConfig(**TINY_MP), dp=2, mp=2, stage=stage, precision="fp32", offload_optimizer=True
+    )
+    assert predicted.model_states == ledger["expected"]
+    assert predicted.host_total == pytest.approx(ledger["host_bytes"], rel=1e-3)
 
 
 def test_optimizer_offload_bf16():
