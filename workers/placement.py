@@ -56,13 +56,21 @@ def place(
     lowest: int,
     highest: int,
     wait_s: float,
-    probe_s: float = 3.0,
+    probe_s: float = 5.0,
+    settle_s: float = 5.0,
 ) -> Placement | None:
     """The largest group of ``lowest..highest`` replicas Ray can place now (None: none).
 
-    Sizes above what the free resources allow are not tried; each size but the
-    smallest gets ``probe_s`` to become ready, the smallest gets ``wait_s``."""
-    start = min(highest, max(lowest, replicas_available(resources)))
+    Resources a group just torn down held come back asynchronously, so the free
+    resources are watched for up to ``settle_s`` while they allow fewer than
+    ``highest`` replicas. Sizes above what they then allow are not tried; each size
+    but the smallest gets ``probe_s`` to become ready, the smallest gets ``wait_s``."""
+    free = replicas_available(resources)
+    deadline = time.monotonic() + settle_s
+    while free < highest and time.monotonic() < deadline:
+        time.sleep(0.2)
+        free = max(free, replicas_available(resources))
+    start = min(highest, max(lowest, free))
     for dp in range(start, lowest - 1, -1):
         pg = placement_group(
             [bundle(resources)] * dp, strategy="SPREAD", name=f"zeroservice-{job_id}-{dp}"
