@@ -305,17 +305,12 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/tokens/revoke", tags=["admin"])
     def revoke_token(body: TokenRevoke, db: Db, who: Annotated[Principal, Depends(admin)]):
-        if body.prefix == who_prefix(db, who):
-            raise HTTPException(409, "this is the token making the request; use another")
-        revoked = store.revoke_token(db, body.prefix)
+        try:
+            revoked = store.revoke_token(db, body.prefix, who)
+        except store.Conflict as exc:
+            raise HTTPException(409, str(exc)) from None
         if not revoked:
             raise HTTPException(404, f"no live token starts with {body.prefix!r}")
         return {"revoked": revoked}
-
-    def who_prefix(db: Session, who: Principal) -> str:
-        from .db import ApiToken
-
-        tok = db.get(ApiToken, who.token_id)
-        return tok.prefix if tok is not None else ""
 
     return app

@@ -10,7 +10,6 @@ started. Exit status 0 when the job succeeded.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import tempfile
 import time
@@ -49,12 +48,6 @@ def demo_spec(steps: int, stage: int, precision: str) -> dict:
         "checkpoint": {"interval_steps": max(1, steps // 2), "keep": 2},
         "timeouts": {"bootstrap_s": 180, "step_s": 300},
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _mib(n: float) -> str:
@@ -107,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         print("demo: --steps must be >= 1", file=sys.stderr)
         return 2
     home = Path(tempfile.mkdtemp(prefix="zeroservice-demo-"))
-    settings = Settings(data_dir=home, port=_free_port())
+    from zeroservice.launch import free_port
+
+    settings = Settings(data_dir=home, port=free_port())
     print(f"starting the local stack in {home} (Ray on loopback, API, SQLite) ...", flush=True)
     record = up(settings, num_cpus=4)
     try:

@@ -34,14 +34,6 @@ def read_stack(settings: Settings) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _clean_env(extra: dict[str, str], **more: str) -> dict[str, str]:
     """This process's environment without Ray settings a previous Ray session in it left
     (auth mode, token paths, addresses), plus ``extra``: the stack's Ray makes its own
@@ -63,7 +55,9 @@ def start_ray_head(settings: Settings, num_cpus: float, num_gpus: int = 0) -> tu
     env = _clean_env(loopback_env(settings.data_dir / "ray-home"))
     tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"  # short: Ray's socket paths
     tmp.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    from zeroservice.launch import free_port  # loaded here: the CLI's client needs no torch
+
+    port = free_port()
     ray_bin = Path(sys.executable).parent / "ray"
     cmd = [
         str(ray_bin),
@@ -83,28 +77,35 @@ def start_ray_head(settings: Settings, num_cpus: float, num_gpus: int = 0) -> tu
     return f"127.0.0.1:{port}", port
 
 
-def stop_ray_head(settings: Settings, address: str) -> None:
-    """Stop this stack's Ray (its own processes only: never a machine-wide ``ray stop``)."""
-    tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"
+def processes_with(*needles: bytes, include_self: bool = False) -> list[int]:
+    """Pids of the processes whose command line contains any of ``needles``."""
     pids = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or (int(proc.name) == os.getpid() and not include_self):
             continue
         try:
             cmd = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if str(tmp).encode() in cmd or address.encode() in cmd:
+        if any(needle in cmd for needle in needles):
             pids.append(int(proc.name))
-    for pid in pids:
-        if pid != os.getpid():
+    return pids
+
+
+def terminate(pids: list[int], grace_s: float = 1.0) -> None:
+    """SIGTERM, then after ``grace_s`` SIGKILL, to each of ``pids`` still there."""
+    for sig in (signal.SIGTERM, signal.SIGKILL) if grace_s else (signal.SIGKILL,):
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-    time.sleep(1.0)
-    for pid in pids:
-        if pid != os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
+        if sig == signal.SIGTERM:
+            time.sleep(grace_s)
+
+
+def stop_ray_head(settings: Settings, address: str) -> None:
+    """Stop this stack's Ray (its own processes only: never a machine-wide ``ray stop``)."""
+    tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"
+    terminate(processes_with(str(tmp).encode(), address.encode()))
 
 
 def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 120) -> dict:

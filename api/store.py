@@ -93,17 +93,22 @@ def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | N
     return create_token(session, tenant, admin=True, name="bootstrap")
 
 
-def revoke_token(session: Session, prefix: str) -> int:
-    """Revoke every live token starting with ``prefix`` (at least 8 characters)."""
-    rows = session.execute(
-        select(ApiToken).where(ApiToken.prefix.startswith(prefix), ApiToken.revoked_at.is_(None))
-    ).scalars()
-    count = 0
+def revoke_token(session: Session, prefix: str, caller: Principal) -> int:
+    """Revoke every live token starting with ``prefix``; never the caller's own (it would
+    lock the caller out mid-rotation): Conflict then."""
+    rows = list(
+        session.execute(
+            select(ApiToken).where(
+                ApiToken.prefix.startswith(prefix), ApiToken.revoked_at.is_(None)
+            )
+        ).scalars()
+    )
+    if any(row.id == caller.token_id for row in rows):
+        raise Conflict("this is the token making the request; revoke it with another one")
     for row in rows:
         row.revoked_at = utcnow()
-        count += 1
     session.commit()
-    return count
+    return len(rows)
 
 
 @dataclass
@@ -249,26 +254,18 @@ def set_status(
         add_event(session, job, "status", reason, f"{status}: {message}", {"status": status})
 
 
+def _after(session: Session, table, job: Job, after: int, limit: int) -> list:
+    """Rows of ``table`` (events, log lines) of ``job`` with ids above ``after``, in order."""
+    query = select(table).where(table.job_id == job.id, table.id > after)
+    return list(session.execute(query.order_by(table.id).limit(limit)).scalars())
+
+
 def events(session: Session, job: Job, after: int, limit: int) -> list[JobEvent]:
-    return list(
-        session.execute(
-            select(JobEvent)
-            .where(JobEvent.job_id == job.id, JobEvent.id > after)
-            .order_by(JobEvent.id)
-            .limit(limit)
-        ).scalars()
-    )
+    return _after(session, JobEvent, job, after, limit)
 
 
 def logs(session: Session, job: Job, after: int, limit: int) -> list[JobLog]:
-    return list(
-        session.execute(
-            select(JobLog)
-            .where(JobLog.job_id == job.id, JobLog.id > after)
-            .order_by(JobLog.id)
-            .limit(limit)
-        ).scalars()
-    )
+    return _after(session, JobLog, job, after, limit)
 
 
 def jobs_in(session: Session, statuses: tuple[str, ...]) -> list[Job]:

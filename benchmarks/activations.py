@@ -29,6 +29,7 @@ import torch
 import zeroservice
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
+from zeroservice.memory import process_status_kib
 from zeroservice.models import GPT, GPTConfig
 from zeroservice.tensor_parallel import MPGroup
 
@@ -57,16 +58,9 @@ VARIANTS: dict[str, tuple[int, dict]] = {
 }
 
 
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def trial(mp: int, extra: dict, layers: int, seq: int, batch: int, steps: int) -> dict:
     topo = zeroservice.build_topology(mp)
-    start_kib = _kib("VmRSS")
+    start_kib = process_status_kib("VmRSS")
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=8192, seq_len=seq, n_layer=layers, n_head=8, dim=512)
     model = GPT(cfg, MPGroup(topo.mp_group) if mp > 1 else None)
@@ -91,7 +85,7 @@ def trial(mp: int, extra: dict, layers: int, seq: int, batch: int, steps: int) -
         "checkpointed_bytes_peak": peak_acts,
         "checkpointed_on_host": ledger.activations_host > 0 or extra.get("cpu_offload_activations"),
         "arena_bytes": ledger.activation_arena,
-        "peak_rss_above_start_mib": (_kib("VmHWM") - start_kib) / 1024,
+        "peak_rss_above_start_mib": (process_status_kib("VmHWM") - start_kib) / 1024,
         "seconds_per_step": sorted(times[1:] or times)[len(times[1:] or times) // 2],
         "loss": loss.item(),
     }

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import zeroservice
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
+from zeroservice.memory import process_status_kib
 from zeroservice.models import GPT, GPTConfig
 
 WIDTH = dict(vocab_size=8192, seq_len=16, n_head=4, dim=256)
@@ -50,23 +51,16 @@ def config(n_layer: int) -> GPTConfig:
     return GPTConfig(n_layer=n_layer, **WIDTH)  # type: ignore[arg-type]
 
 
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status")
-
-
 def trial(stage: int, n_layer: int) -> dict:
     """In each rank: peak bytes above start-up while building and training two steps."""
     _train(stage, GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, dim=32))
     gc.collect()  # lazily initialised libraries (meta kernels, BLAS, gloo) now count as start-up
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")
-    base = _kib("VmRSS")
+    base = process_status_kib("VmRSS")
     engine, loss = _train(stage, config(n_layer))
     return {
-        "peak_bytes": (_kib("VmHWM") - base) * 1024,
+        "peak_bytes": (process_status_kib("VmHWM") - base) * 1024,
         "model_state_bytes": engine.memory_ledger().model_states,
         "loss": loss,
     }

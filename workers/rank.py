@@ -18,29 +18,21 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
-from zeroservice.comm import CommLedger
+from zeroservice.comm import CommLedger, bus_factor
 from zeroservice.data import micro_batch
+from zeroservice.memory import process_status_kib
 
 from .build import build_dataset, build_model, optimizer_factory
 from .flops import flops_per_token, peak_tflops
 from .metrics import RankMetrics
 from .spec import JobSpec
 
-_BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
 
-
-def _bus_factor(op: str, n: int) -> float:
-    return _BUS.get(op, lambda n: (n - 1) / n)(n) if n > 1 else 0.0
-
-
-def _kib(field: str) -> int:
+def _process_bytes(field: str) -> int:
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        return process_status_kib(field) * 1024
+    except RuntimeError:  # not Linux: no figure rather than a failed step
+        return 0
 
 
 class RankWorker:
@@ -56,6 +48,8 @@ class RankWorker:
         self._lock = threading.Lock()
         self._phase = "created"
         self._mp_ledgers: list[CommLedger] = []
+        self.metrics_collectives: dict[tuple[str, str], dict[str, float]] = {}
+        self._last: dict[str, Any] = {}
 
     # -- placement and bootstrap ---------------------------------------------------------
     def address(self) -> dict[str, Any]:
@@ -107,10 +101,13 @@ class RankWorker:
         model, init = build_model(spec, topo.mp_group)
         if use_cuda and init is None:
             model.cuda()
-        self._mp_ledgers = [m.ledger for m in {id(x): x for x in _mp_groups(model)}.values()]
+        tp_groups = {id(x): x for x in _mp_groups(model)}.values()
         self.engine = engine = zeroservice.initialize(
             model, spec.zero_config(), optimizer_factory(spec), init=init, topology=topo
         )
+        # Model-parallel collectives: the tensor-parallel layers' and the engine's own.
+        engine_mp = engine.mp_ledger()
+        self._mp_ledgers = [g.ledger for g in tp_groups] + ([engine_mp] if engine_mp else [])
         self.dataset = build_dataset(spec)
         self.root = checkpoint_root
         self.step = 0
@@ -206,7 +203,7 @@ class RankWorker:
             allocated = torch.cuda.memory_allocated()
             peak = torch.cuda.max_memory_allocated()
         else:
-            allocated, peak = _kib("VmRSS") * 1024, _kib("VmHWM") * 1024
+            allocated, peak = _process_bytes("VmRSS"), _process_bytes("VmHWM")
         memory = {
             "params": ledger.params,
             "grads": ledger.grads,
@@ -253,7 +250,7 @@ class RankWorker:
                 agg["n"] = stats.world_size
         for (op, _), agg in out.items():
             bw = agg["bytes"] / agg["seconds"] if agg["seconds"] > 0 else 0.0
-            agg["busbw"] = bw * _bus_factor(op, int(agg["n"]))
+            agg["busbw"] = bw * bus_factor(op, int(agg["n"]))
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -285,7 +282,7 @@ class RankWorker:
         }
 
     def stats(self) -> dict[str, Any]:
-        return dict(getattr(self, "_last", {}), step=self.step, rank=self.rank)
+        return dict(self._last, step=self.step, rank=self.rank)
 
     def close(self) -> None:
         if self.engine is not None:

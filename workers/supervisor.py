@@ -93,6 +93,7 @@ class JobSupervisor:
         self._group: _Group | None = None
         self._rank_stats: dict[int, dict[str, Any]] = {}
         self._cancel = threading.Event()
+        self._cancel_reason = "cancelled by request"
         self._thread: threading.Thread | None = None
         self._event("status", "submitted", "job accepted by its supervisor")
 
@@ -177,7 +178,7 @@ class JobSupervisor:
             return {str(r): dict(s) for r, s in self._rank_stats.items()}
 
     def cancel(self, reason: str = "cancelled by request") -> None:
-        self._message_cancel = reason
+        self._cancel_reason = reason
         self._cancel.set()
 
     def wait(self, timeout: float) -> str:
@@ -300,7 +301,7 @@ class JobSupervisor:
 
     def _finish_cancelled(self) -> None:
         self._teardown(clean=False)
-        self._set("cancelled", "cancelled", getattr(self, "_message_cancel", "cancelled"))
+        self._set("cancelled", "cancelled", self._cancel_reason)
 
     # -- groups -----------------------------------------------------------------------------
     def _start_group(self, placement: Placement) -> _Group:

@@ -35,6 +35,11 @@ _BUS_FACTOR = {
 }
 
 
+def bus_factor(op: str, world: int) -> float:
+    """Bus bandwidth / algorithmic bandwidth for ``op`` over ``world`` ranks."""
+    return _BUS_FACTOR[op](world)
+
+
 @dataclass
 class CollectiveStats:
     """Totals for one (op, tag) pair. See [Note: bus bandwidth]."""
@@ -60,7 +65,7 @@ class CollectiveStats:
 
     @property
     def busbw_bytes_per_second(self) -> float:
-        return self.algbw_bytes_per_second * _BUS_FACTOR[self.op](self.world_size)
+        return self.algbw_bytes_per_second * bus_factor(self.op, self.world_size)
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {

@@ -103,7 +103,9 @@ class Engine:
         self.mp_group = mp_group
         self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
         self.mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
-        mp_comm = comm.Communicator(mp_group, self.ledger, "native") if self.mp_size > 1 else None
+        self.mp = MPGroup(mp_group) if self.mp_size > 1 else None
+        """The engine's own MP collectives (the gradient norm, P_a's gathers), with their
+        ledger (``mp_ledger``); the model's tensor-parallel layers keep theirs."""
         sharded_names = {n for n, p in module.named_parameters() if is_mp_sharded(p)}
         deferred = construct.is_deferred(module)
         if callable(init) and not deferred:
@@ -184,7 +186,7 @@ class Engine:
             communicator=self.comm,
             dp_world=self.dp_world,
             fuse=config.fuse_optimizer,
-            mp_comm=mp_comm,
+            mp_comm=self.mp.comm if self.mp is not None else None,
             replicated=[_replicated_ranges(u, sharded_names) for u in self.units],
             offload=config.offload_optimizer,
         )
@@ -198,7 +200,7 @@ class Engine:
                     "checkpoint"
                 )
             self.activations = CheckpointStore(
-                MPGroup(mp_group) if self.mp_size > 1 else None,
+                self.mp,
                 partition=config.partition_activations,
                 offload=config.cpu_offload_activations,
                 contiguous=config.contiguous_activations,
@@ -334,6 +336,10 @@ class Engine:
             activations_peak=acts.peak_bytes if acts else 0,
             activation_arena=acts.arena_bytes if acts else 0,
         )
+
+    def mp_ledger(self) -> comm.CommLedger | None:
+        """The engine's collectives over the model-parallel group (None without MP)."""
+        return self.mp.ledger if self.mp is not None else None
 
     def allocator_stats(self) -> dict[str, int] | None:
         """CUDA allocator figures (fragmentation, retries) for this rank's device; None

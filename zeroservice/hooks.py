@@ -273,17 +273,20 @@ class GradReducer:
     # -- internals ------------------------------------------------------------------
     def _acquire(self, unit: FlatUnit) -> _Lease:
         if self.external is not None:
-            # Borrowed buffers come back only when their reduction completes: keep at most
-            # two in flight, as the pool would, or a backward would hold every gradient.
-            while len(self._inflight) >= 2:
-                self._complete_oldest()
+            self._bound_inflight()
             return _Lease(self.external.take(unit.padded_numel), borrowed=True)
         return self._acquire_pooled()
 
+    def _bound_inflight(self) -> None:
+        """Borrowed buffers come back only when their reduction completes: keep at most
+        two reductions in flight, as the pool would, or a backward would hold every
+        gradient."""
+        while len(self._inflight) >= 2:
+            self._complete_oldest()
+
     def _acquire_pooled(self) -> _Lease:
         if self.external is not None:
-            while len(self._inflight) >= 2:  # as in ``_acquire``
-                self._complete_oldest()
+            self._bound_inflight()
         while True:
             buffer = self.pool.try_acquire()
             if buffer is not None:

@@ -23,11 +23,14 @@ to the byte.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-_PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_MASTER_BYTES = {"fp32": 0, "bf16": 4, "fp16": 4}
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of a parameter (and of its gradient) in the training dtype."""
+MASTER_BYTES = {"fp32": 0, "bf16": 4, "fp16": 4}
+"""Bytes of the fp32 master copy (fp32 training: the parameters are their own master)."""
 
 
 def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int | None:
@@ -40,6 +43,37 @@ def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int | N
     return None
 
 
+def model_state_kinds(
+    stage: int,
+    precision: str,
+    psi: int,
+    n_d: int,
+    optimizer_bytes: int = 8,
+    offload: bool = False,
+) -> tuple[int, int, int, int]:
+    """(params, grads, master, optimizer states) bytes per rank. See [Note: model-state
+    bytes]. A shard's rounding (under 3 bytes when N_d does not divide Ψ) is counted with
+    the optimizer states. With ``offload`` (ZeRO-Offload) the master is a separate fp32
+    copy on the host even in fp32 (m = 4): the same total, split between device and host.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: no model-state formula for stage {stage}")
+    p = g = PARAM_BYTES[precision]
+    m = 4 if offload else MASTER_BYTES[precision]
+    k = optimizer_bytes
+    if stage == 0:
+        return p * psi, g * psi, m * psi, k * psi
+    if stage == 1:
+        return p * psi, g * psi, m * psi // n_d, (m + k) * psi // n_d - m * psi // n_d
+    if stage == 2:
+        sharded = (g + m + k) * psi // n_d
+        grads, master = g * psi // n_d, m * psi // n_d
+        return p * psi, grads, master, sharded - grads - master
+    total = (p + g + m + k) * psi // n_d
+    params, grads, master = p * psi // n_d, g * psi // n_d, m * psi // n_d
+    return params, grads, master, total - params - grads - master
+
+
 def expected_model_state_bytes(
     stage: int,
     precision: str,
@@ -48,21 +82,8 @@ def expected_model_state_bytes(
     optimizer_bytes: int = 8,
     offload: bool = False,
 ) -> int:
-    """Per-rank bytes of model states. See [Note: model-state bytes].
-
-    With ``offload`` (ZeRO-Offload) the master is a separate fp32 copy on the host
-    even in fp32 (m = 4); the total is the same bytes, split between device and host."""
-    p = g = _PARAM_BYTES[precision]
-    k = (4 if offload else _MASTER_BYTES[precision]) + optimizer_bytes
-    if stage == 0:
-        return (p + g + k) * psi
-    if stage == 1:
-        return (p + g) * psi + k * psi // n_d
-    if stage == 2:
-        return p * psi + (g + k) * psi // n_d
-    if stage == 3:
-        return (p + g + k) * psi // n_d
-    raise ValueError(f"stage: no model-state formula for stage {stage}")
+    """Per-rank bytes of model states. See [Note: model-state bytes]."""
+    return sum(model_state_kinds(stage, precision, psi, n_d, optimizer_bytes, offload))
 
 
 @dataclass
@@ -177,3 +198,16 @@ def allocator_stats(device: torch.device) -> dict[str, int] | None:
         "alloc_retries": s.get("num_alloc_retries", 0),
         "ooms": s.get("num_ooms", 0),
     }
+
+
+def process_status_kib(field: str) -> int:
+    """A size from /proc/self/status in KiB (``VmRSS``: resident now, ``VmHWM``: its
+    peak). Raises RuntimeError where the field is missing (not Linux)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")

@@ -15,8 +15,8 @@ stages 2 and 3, and at stage 3 the parameters gathered for the running layer and
 one prefetched after it. ``offload_optimizer`` moves master weights and optimizer
 states to host memory; ``cpu_offload_activations`` moves activation checkpoints there.
 
-This module is arithmetic only: torch is imported inside the functions that take an
-nn.Module, so planning a 1T-parameter model allocates nothing.
+This module is arithmetic only: planning a 1T-parameter model allocates nothing (a
+module passed in is only inspected, its shards laid out on the meta device).
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from .memory import PARAM_BYTES, model_state_kinds
+
 if TYPE_CHECKING:
     from torch import nn
 
     from .models.gpt import GPTConfig
 
-PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes of a parameter (and of its gradient) in the training dtype."""
-MASTER_BYTES = {"fp32": 0, "bf16": 4, "fp16": 4}
-"""Bytes of the fp32 master copy (fp32 training: the parameters are their own master)."""
 PAPER_PSI = (7_500_000_000, 128_000_000_000, 1_000_000_000_000)
 PAPER_N_D = (1, 4, 16, 64, 256, 1024)
 
@@ -231,36 +229,6 @@ def plan(
         device_total=model_states - moved + acts + comm + gathered,
         host_total=host_states + acts_host,
     )
-
-
-def model_state_kinds(
-    stage: int,
-    precision: str,
-    psi: int,
-    n_d: int,
-    optimizer_bytes: int = 8,
-    offload: bool = False,
-) -> tuple[int, int, int, int]:
-    """(params, grads, master, optimizer states) bytes per rank.
-
-    Their sum is memory.expected_model_state_bytes to the byte: a shard's rounding
-    (under 3 bytes when N_d does not divide Ψ) is counted with the optimizer states.
-    With ``offload`` the master is a separate fp32 copy on the host even in fp32.
-    """
-    p = g = PARAM_BYTES[precision]
-    m = 4 if offload else MASTER_BYTES[precision]
-    k = optimizer_bytes
-    if stage == 0:
-        return p * psi, g * psi, m * psi, k * psi
-    if stage == 1:
-        return p * psi, g * psi, m * psi // n_d, (m + k) * psi // n_d - m * psi // n_d
-    if stage == 2:
-        sharded = (g + m + k) * psi // n_d
-        grads, master = g * psi // n_d, m * psi // n_d
-        return p * psi, grads, master, sharded - grads - master
-    total = (p + g + m + k) * psi // n_d
-    params, grads, master = p * psi // n_d, g * psi // n_d, m * psi // n_d
-    return params, grads, master, total - params - grads - master
 
 
 def activation_bytes(

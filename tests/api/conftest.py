@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,6 +16,7 @@ from fastapi.testclient import TestClient
 from api.app import Service, create_app
 from api.settings import Settings
 from tests.api.fakes import FakeBackend
+from zeroservice.launch import free_port
 
 
 def _pg_bin(name: str) -> str | None:
@@ -44,9 +44,7 @@ def postgres_server():
     data = base / "data"
     if os.geteuid() == 0:
         shutil.chown(base, "postgres")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     subprocess.run(
         _as_postgres_user([initdb, "-D", str(data), "-U", "zs", "-A", "trust", "-E", "UTF8"]),
         check=True,

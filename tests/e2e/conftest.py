@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from zeroservice.launch import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TINY_JOB = {
+    "model": {"vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32},
+    "engine": {"stage": 3, "bucket_elements": 4096},
+    "optimizer": {"lr": 3e-3},
+    "micro_batch": 2,
+    "resources": {"dp": 2, "cpus_per_rank": 1},
+    "timeouts": {"bootstrap_s": 120, "step_s": 120},
+}
+"""A stage-3 GPT on 2 CPU ranks, small enough for a step in milliseconds."""
 
 
 @pytest.fixture

@@ -7,19 +7,17 @@ scheduler's ``request_resources``."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
+from api.server import processes_with, terminate
 from tests.e2e.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -97,26 +95,8 @@ def autoscaling_head():
     )
     yield gcs, work, env
     # Stop this head and the nodes its autoscaler started (never a machine-wide stop).
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                cmd = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if str(work).encode() in cmd or gcs.encode() in cmd:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(proc.name), signal.SIGKILL)
+    terminate(processes_with(str(work).encode(), gcs.encode()), grace_s=0)
     shutil.rmtree(work, ignore_errors=True)
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_queue_grows_the_cluster_and_a_drained_queue_releases_it(autoscaling_head, tmp_path):

@@ -13,43 +13,33 @@ from pathlib import Path
 
 import pytest
 
+from api.server import processes_with
+from tests.e2e.conftest import TINY_JOB
+from tests.waiting import wait_for
+
 pytestmark = pytest.mark.slow
 
-JOB = {
-    "name": "e2e",
-    "model": {"vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32},
-    "engine": {"stage": 3, "bucket_elements": 4096},
-    "optimizer": {"lr": 3e-3},
-    "steps": 12,
-    "micro_batch": 2,
-    "resources": {"dp": 2, "cpus_per_rank": 1},
-    "checkpoint": {"interval_steps": 4},
-    "timeouts": {"bootstrap_s": 120, "step_s": 120},
-}
+JOB = {**TINY_JOB, "name": "e2e", "steps": 12, "checkpoint": {"interval_steps": 4}}
 
 
 def _rank_processes() -> int:
-    count = 0
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if (proc / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
-                    count += 1
-            except OSError:
-                pass
-    return count
+    return len(processes_with(b"ray::RankWorker"))
+
+
+def _status(cli, job_id) -> dict | None:
+    out = cli("status", job_id)
+    return json.loads(out.stdout) if out.returncode == 0 else None  # the API may be restarting
 
 
 def _wait(cli, job_id, statuses, timeout=180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = cli("status", job_id)
-        if out.returncode == 0:  # the API may be restarting
-            job = json.loads(out.stdout)
-            if job["status"] in statuses:
-                return job
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} never reached {statuses}")
+    return wait_for(
+        lambda: (lambda job: job if job and job["status"] in statuses else None)(
+            _status(cli, job_id)
+        ),
+        timeout,
+        f"job {job_id} to reach {statuses}",
+        interval=0.5,
+    )
 
 
 def test_submit_watch_restart_cancel(stack):
@@ -93,9 +83,6 @@ def test_submit_watch_restart_cancel(stack):
     assert _rank_processes() == 2
     assert "cancel requested" in cli("cancel", forever).stdout
     assert _wait(cli, forever, {"cancelled"}, timeout=60)["reason"] == "cancelled"
-    deadline = time.monotonic() + 30
-    while _rank_processes() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _rank_processes() == 0
+    wait_for(lambda: _rank_processes() == 0, 30, "the rank actors to exit", interval=0.5)
     listing = cli("list").stdout
     assert listing.count("succeeded") == 2 and "cancelled" in listing

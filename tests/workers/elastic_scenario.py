@@ -9,18 +9,7 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
-
-
-def _wait_for(predicate, timeout, what, explain=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: {explain()}")
 
 
 def main() -> dict:
@@ -33,6 +22,7 @@ def main() -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
+    from tests.waiting import wait_for
     from tests.workers.jobs import tiny_job
     from workers.jobs import launch, stop
 
@@ -61,11 +51,11 @@ def main() -> dict:
         def explain():
             return (status(), events()[-6:], ray.available_resources())
 
-        _wait_for(lambda: status()["step"] >= 10, 180, "a checkpoint", explain)
+        wait_for(lambda: status()["step"] >= 10, 180, "a checkpoint", explain)
         ranks = ray.get(handle.ranks.remote())
         nodes_before = len({r["node_id"] for r in ranks})
         cluster.remove_node(nodes[1])
-        _wait_for(
+        wait_for(
             lambda: any(e["kind"] == "resize" and e["reason"] == "shrunk" for e in events()),
             180,
             "the shrink",
@@ -74,14 +64,14 @@ def main() -> dict:
         dp_after_shrink = status()["dp"]
         cluster.add_node(num_cpus=2, **node_args)
         cluster.wait_for_nodes()
-        _wait_for(
+        wait_for(
             lambda: any(e["kind"] == "resize" and e["reason"] == "grown" for e in events()),
             240,
             "the growth",
             explain,
         )
         grown_at = status()["step"]
-        _wait_for(
+        wait_for(
             lambda: (lambda st: st["dp"] == 2 and st["step"] > grown_at + 10)(status()),
             180,
             "training at dp 2 after the growth",

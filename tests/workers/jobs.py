@@ -6,6 +6,14 @@ from typing import Any
 
 from workers.spec import JobSpec
 
+TINY_GPT2 = {
+    "kind": "transformers",
+    "architecture": "GPT2LMHeadModel",
+    "vocab_size": 256,
+    "seq_len": 16,
+    "config": {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 16},
+}
+"""A transformers GPT-2 built from a config, as small as TINY_GPT."""
 TINY_GPT = {"kind": "gpt", "vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32}
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers.jobs import tiny_job
+from api.server import processes_with
+from tests.waiting import wait_for
+from tests.workers.jobs import TINY_GPT2, tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +42,6 @@ def test_dp2_cpu_job_completes(local_ray, tmp_path):
     ray.kill(handle)
 
 
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_dp2_mp2_job_on_fractional_cpus_completes(local_ray, tmp_path):
     ray = local_ray
     spec = tiny_job(
@@ -77,7 +69,7 @@ def test_killed_worker_resumes_from_checkpoint_with_fewer_ranks(local_ray, tmp_p
     from workers.jobs import launch
 
     handle = launch("killed", spec, tmp_path / "ckpt")
-    _wait_for(lambda: ray.get(handle.status.remote())["step"] >= 4, 120, "the first checkpoint")
+    wait_for(lambda: ray.get(handle.status.remote())["step"] >= 4, 120, "the first checkpoint")
     # Capacity for one replica only once the group is torn down: a blocker queued now
     # takes the CPUs the killed rank's replica frees.
     blocker = ray.remote(num_cpus=2)(_Blocker).remote()
@@ -121,7 +113,7 @@ def test_frozen_rank_is_named_by_the_watchdog(local_ray, tmp_path):
     from workers.jobs import launch
 
     handle = launch("frozen", spec, tmp_path / "ckpt")
-    _wait_for(lambda: ray.get(handle.status.remote())["status"] == "running", 120, "running")
+    wait_for(lambda: ray.get(handle.status.remote())["status"] == "running", 120, "running")
     time.sleep(1.0)
     victim = ray.get(handle.ranks.remote())[1]
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -160,7 +152,7 @@ def test_rank_metrics_are_scraped_with_labels_and_equal_the_ledger(local_ray, tm
     from workers.jobs import launch, stop
 
     handle = launch("metrics", spec, tmp_path / "ckpt")
-    _wait_for(lambda: ray.get(handle.status.remote())["step"] >= 5, 120, "one chunk")
+    wait_for(lambda: ray.get(handle.status.remote())["step"] >= 5, 120, "one chunk")
     targets = ray.get(handle.targets.remote())
     assert len(targets) == 4
     ranks = ray.get(handle.ranks.remote())
@@ -211,7 +203,7 @@ def test_gpu_ranks_each_see_their_own_declared_gpu(local_ray, tmp_path):
     from workers.jobs import launch
 
     handle = launch("gpus", spec, tmp_path / "ckpt")
-    seen = _wait_for(lambda: ray.get(handle.ranks.remote()), 120, "ranks")
+    seen = wait_for(lambda: ray.get(handle.ranks.remote()), 120, "ranks")
     gpus = [tuple(r["gpus"]) for r in seen]
     assert sorted(gpus) == [(0,), (1,)] or len(set(gpus)) == 2
     assert ray.get(handle.wait.remote(120)) == "succeeded"
@@ -222,19 +214,7 @@ def test_transformers_model_job(local_ray, tmp_path):
     ray = local_ray
     spec = tiny_job(
         steps=4,
-        model={
-            "kind": "transformers",
-            "architecture": "GPT2LMHeadModel",
-            "vocab_size": 256,
-            "seq_len": 16,
-            "config": {
-                "n_layer": 2,
-                "n_head": 2,
-                "n_embd": 32,
-                "vocab_size": 256,
-                "n_positions": 16,
-            },
-        },
+        model=TINY_GPT2,
         engine={"stage": 3, "bucket_elements": 4096},
     )
     handle, status = _run(ray, "hf", spec, tmp_path / "ckpt")
@@ -244,20 +224,6 @@ def test_transformers_model_job(local_ray, tmp_path):
         s["ledger"]["model_states"] == s["ledger"]["expected_padded"] for s in ledgers.values()
     )
     ray.kill(handle)
-
-
-def _ray_pids() -> set[int]:
-    pids = set()
-    for proc in os.listdir("/proc"):
-        if not proc.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{proc}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"ray" in cmd or b"zeroservice" in cmd:
-            pids.add(int(proc))
-    return pids
 
 
 def _remote_addresses(pids: set[int]) -> set[str]:
@@ -293,8 +259,8 @@ def test_everything_stays_on_loopback(local_ray, tmp_path):
     from workers.jobs import launch, stop
 
     handle = launch("loopback", tiny_job(steps=100_000), tmp_path / "ckpt")
-    _wait_for(lambda: ray.get(handle.status.remote())["step"] >= 4, 120, "training")
-    remotes = _remote_addresses(_ray_pids())
+    wait_for(lambda: ray.get(handle.status.remote())["step"] >= 4, 120, "training")
+    remotes = _remote_addresses(set(processes_with(b"ray", b"zeroservice", include_self=True)))
     assert remotes, "no connections found: the check would prove nothing"
     assert all(ipaddress.ip_address(r).is_loopback for r in remotes), remotes
     assert stop("loopback") == "cancelled"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tests.workers.jobs import tiny_job
+from tests.workers.jobs import TINY_GPT2, tiny_job
 from workers.build import build_dataset, build_model, optimizer_factory
 from workers.spec import JobSpec
 
@@ -78,19 +78,7 @@ def test_builds_each_model_kind_and_dataset(tmp_path):
     x = torch.randint(0, 256, (2, 16))
     assert model(x, x).ndim == 0 and init is None
     hf = tiny_job(
-        model={
-            "kind": "transformers",
-            "architecture": "GPT2LMHeadModel",
-            "vocab_size": 256,
-            "seq_len": 16,
-            "config": {
-                "n_layer": 1,
-                "n_head": 2,
-                "n_embd": 32,
-                "vocab_size": 256,
-                "n_positions": 16,
-            },
-        }
+        model=TINY_GPT2,
     )
     loss = build_model(hf, None)[0](x, x)
     assert loss.ndim == 0 and loss.item() > 0
