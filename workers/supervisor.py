@@ -356,6 +356,10 @@ class JobSupervisor:
             f"{world} ranks (dp {placement.dp} × mp {res.mp}) from "
             + (f"checkpoint {loaded} at step {self._step}" if loaded else "scratch"),
             from_checkpoint=loaded,
+            ranks=[
+                {"rank": r, "node": f"{a['ip']}/{a['node_id'][:8]}", "gpus": a["gpus"]}
+                for r, a in enumerate(addresses)
+            ],
         )
         self._set("running", "training", f"dp {placement.dp} × mp {res.mp}")
         return self._group

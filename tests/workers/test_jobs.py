@@ -203,10 +203,11 @@ def test_gpu_ranks_each_see_their_own_declared_gpu(local_ray, tmp_path):
     from workers.jobs import launch
 
     handle = launch("gpus", spec, tmp_path / "ckpt")
-    seen = wait_for(lambda: ray.get(handle.ranks.remote()), 120, "ranks")
-    gpus = [tuple(r["gpus"]) for r in seen]
-    assert sorted(gpus) == [(0,), (1,)] or len(set(gpus)) == 2
     assert ray.get(handle.wait.remote(120)) == "succeeded"
+    # Where each rank ran is in the placement event (the ranks are gone by now).
+    placed = [e for e in ray.get(handle.events.remote()) if e["kind"] == "placed"][0]
+    gpus = [tuple(r["gpus"]) for r in placed["ranks"]]
+    assert sorted(gpus) == [(0,), (1,)] or len(set(gpus)) == 2
     ray.kill(handle)
 
 
