@@ -7,23 +7,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.engine.scenarios import Spec, _batches, _mean_over_ranks, engine_for
+from tests.engine import harness
+from tests.engine.scenarios import Spec, _batches, engine_for
 from zeroservice import deferred_init as zeroservice_deferred
 from zeroservice import initialize as zeroservice_initialize
 from zeroservice.checkpoint import CheckpointError, save
 
 
 def _train(engine, spec: Spec, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        total = 0.0
-        for x, y in _batches(spec, step):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / spec.accum
-        losses.append(_mean_over_ranks(total))
-    return losses
+    batches = lambda step, accum: _batches(spec, step)  # noqa: E731
+    run = harness.run_engine(
+        engine, batches, len(steps), spec.accum, start=steps.start, keep_state=False
+    )
+    return run.losses
 
 
 def exact_resume(spec: Spec, root: str, split: int, background: bool = False) -> dict:

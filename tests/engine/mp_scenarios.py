@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 import zeroservice
+from tests.engine import harness
 from zeroservice.config import ZeroConfig
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.models import GPT, GPTConfig
@@ -64,12 +64,6 @@ def batches(spec: MPSpec, topo, step: int):
     ]
 
 
-def _dp_mean(value: float, topo) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=topo.dp_group)
-    return t.item() / topo.dp
-
-
 def train(specs: list[MPSpec]) -> list[dict]:
     """Per-step losses (mean over DP ranks) and gradient norms."""
     out = []
@@ -83,7 +77,7 @@ def train(specs: list[MPSpec]) -> list[dict]:
                 engine.backward(loss)
                 report = engine.step()
                 total += loss.item() / spec.accum
-            losses.append(_dp_mean(total, topo))
+            losses.append(harness.mean_over_ranks(total, topo.dp_group))
             norms.append(report.grad_norm)
         ledger = engine.memory_ledger()
         engine.close()

@@ -7,7 +7,6 @@ same model, fed the same batches.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
@@ -15,11 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroservice
+from tests.engine import harness
 from zeroservice.config import ScheduleConfig, ZeroConfig
-from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.models import GPT, GPTConfig
 from zeroservice.schedule import lr_factor
 
@@ -48,6 +46,10 @@ class Spec:
     grouping: str = "blocks"
 
 
+SGD_LR = 0.05
+"""The gradient-and-weight run: SGD + momentum keeps DDP's rounding noise as noise."""
+
+
 def _model(spec: Spec) -> GPT:
     torch.manual_seed(1234)
     return GPT(GPTConfig(**TINY, tie_weights=spec.tie))
@@ -57,47 +59,38 @@ def _adamw(spec: Spec):
     return lambda ps: torch.optim.AdamW(ps, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
+def _sgd(spec: Spec):
+    return lambda ps: torch.optim.SGD(ps, lr=SGD_LR, momentum=0.9, weight_decay=spec.weight_decay)
+
+
 def _batches(spec: Spec, step: int):
-    data = SyntheticTokens(TINY["vocab_size"], TINY["seq_len"], seed=7)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return [
-        micro_batch(data, step, m, spec.batch, rank, world, spec.accum) for m in range(spec.accum)
-    ]
+    return harness.token_batches(TINY["vocab_size"], TINY["seq_len"], 7, spec.batch)(
+        step, spec.accum
+    )
+
+
+def _reference(spec: Spec, optimizer, capture: bool) -> harness.Run:
+    """DDP + the optimizer (+ clip_grad_norm_, + LambdaLR) on fp32, autocast for bf16."""
+    sched_cfg = ScheduleConfig(**spec.schedule)
+    return harness.run_ddp(
+        _model(spec),
+        optimizer,
+        lambda step, accum: _batches(spec, step),
+        spec.steps,
+        spec.accum,
+        spec.clip,
+        lambda s: lr_factor(sched_cfg, s),
+        torch.bfloat16 if spec.precision == "bf16" else None,
+        capture=capture,
+    )
 
 
 def reference_losses(spec: Spec) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """DDP + AdamW (+ clip_grad_norm_, + LambdaLR) on fp32, autocast for bf16."""
-    model = _model(spec)
-    ddp = DDP(model)
-    opt = _adamw(spec)(model.parameters())
-    sched_cfg = ScheduleConfig(**spec.schedule)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(sched_cfg, s))
-    losses = []
-    for step in range(spec.steps):
-        total = 0.0
-        for m, (x, y) in enumerate(_batches(spec, step)):
-            ctx = ddp.no_sync() if m < spec.accum - 1 else contextlib.nullcontext()
-            with ctx:
-                with torch.autocast("cpu", torch.bfloat16, enabled=spec.precision == "bf16"):
-                    loss = ddp(x, y)
-                (loss / spec.accum).backward()
-            total += loss.item() / spec.accum
-        if spec.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(_mean_over_ranks(total))
-    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    run = _reference(spec, _adamw(spec), capture=False)
+    return run.losses, run.state
 
 
-def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-def engine_for(spec: Spec):
+def engine_for(spec: Spec, optimizer=None):
     config = ZeroConfig(
         stage=spec.stage,
         precision=spec.precision,
@@ -113,37 +106,92 @@ def engine_for(spec: Spec):
         stage3_persistence_elements=spec.persistence,
         stage3_grouping=spec.grouping,
     )
-    return zeroservice.initialize(_model(spec), config, optimizer=_adamw(spec))
+    return zeroservice.initialize(_model(spec), config, optimizer=optimizer or _adamw(spec))
+
+
+def _engine_run(spec: Spec, optimizer, reference: harness.Run | None = None) -> harness.Run:
+    harness.restart_fault()
+    engine = engine_for(spec, optimizer)
+    run = harness.run_engine(
+        engine, lambda step, accum: _batches(spec, step), spec.steps, spec.accum, reference
+    )
+    run.units = len(engine.units)
+    engine.close()
+    return run
 
 
 def engine_losses(spec: Spec) -> dict:
-    engine = engine_for(spec)
-    losses, norms = [], []
-    for step in range(spec.steps):
-        total = 0.0
-        for x, y in _batches(spec, step):
-            loss = engine(x, y)
-            engine.backward(loss)
-            report = engine.step()
-            total += loss.item() / spec.accum
-        norms.append(report.grad_norm)
-        losses.append(_mean_over_ranks(total))
-    return {
-        "losses": losses,
-        "norms": norms,
-        "state": {k: v.detach().float().clone() for k, v in engine.state_dict().items()},
-        "units": len(engine.units),
-    }
+    run = _engine_run(spec, _adamw(spec))
+    return {"losses": run.losses, "norms": run.norms, "state": run.state, "units": run.units}
 
 
 def parity(specs: list[Spec]) -> list[dict]:
+    """Per spec: the Adam run's losses, and the SGD run's per-step gradient ratios and
+    final weight ratio against DDP. See [Note: what parity compares] in harness.py."""
+    harness.install_fault()
     out = []
     for spec in specs:
-        ref_losses, ref_state = reference_losses(spec)
-        result = engine_losses(spec)
-        result["ref_losses"], result["ref_state"] = ref_losses, ref_state
-        out.append(result)
+        ref = _reference(spec, _adamw(spec), capture=False)
+        run = _engine_run(spec, _adamw(spec))
+        sgd_ref = _reference(spec, _sgd(spec), capture=True)
+        sgd = _engine_run(spec, _sgd(spec), sgd_ref)
+        out.append(
+            {
+                "losses": run.losses,
+                "ref_losses": ref.losses,
+                "norms": run.norms,
+                "grad_ratio": sgd.grad_ratio,
+                "weight_ratio": harness.weight_ratio(sgd.state, sgd_ref.state),
+                "sgd_losses": sgd.losses,
+                "state": sgd.state,
+            }
+        )
     return out
+
+
+def mixed_precision_parity(spec: Spec, initial_scale: float = 2.0**10) -> dict:
+    """bf16 or fp16 against DDP under autocast (and a GradScaler for fp16) with the
+    same loss-scale policy: losses, skipped steps, and the fp32 masters' drift from
+    DDP's fp32 weights after SGD + momentum."""
+    fp16 = spec.precision == "fp16"
+    growth = 4
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=initial_scale, growth_interval=growth)
+        if fp16
+        else None
+    )
+    initial = _model(spec).state_dict()
+    ref = harness.run_ddp(
+        _model(spec),
+        _sgd(spec),
+        lambda step, accum: _batches(spec, step),
+        spec.steps,
+        spec.accum,
+        autocast=torch.float16 if fp16 else torch.bfloat16,
+        scaler=scaler,
+    )
+    config = ZeroConfig(
+        stage=spec.stage,
+        precision=spec.precision,
+        gradient_accumulation_steps=spec.accum,
+        bucket_elements=spec.bucket_elements,
+        reduce_dtype=spec.reduce_dtype,
+        loss_scale={"initial_scale": initial_scale, "growth_interval": growth},
+    )
+    engine = zeroservice.initialize(_model(spec), config, optimizer=_sgd(spec))
+    run = harness.run_engine(
+        engine, lambda step, accum: _batches(spec, step), spec.steps, spec.accum
+    )
+    drift, moved = harness.master_drift(engine, initial, ref.state)
+    engine.close()
+    return {
+        "losses": run.losses,
+        "ref_losses": ref.losses,
+        "skipped": run.skipped,
+        "ref_skipped": ref.skipped,
+        "drift": drift,
+        "moved": moved,
+    }
 
 
 def ledgers(specs: list[Spec]) -> list[dict]:
@@ -257,33 +305,33 @@ def unused_parameters_at(stage: int, steps: int = 6, width: int = 16) -> dict:
     nor diverge, and must match DDP(find_unused_parameters=True). At ``width`` > 32 the
     weights exceed the 1024-element bucket and are reduced in pieces."""
     rank = dist.get_rank()
-    torch.manual_seed(3)
-    model = _Branchy(width)
-    ref = copy.deepcopy(model)
-    ddp = DDP(ref, find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    engine = zeroservice.initialize(
-        model,
-        ZeroConfig(stage=stage, bucket_elements=1024),
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-    )
-    losses, ref_losses = [], []
-    for step in range(steps):
+
+    def batches(step: int, accum: int) -> list[tuple]:
         g = torch.Generator().manual_seed(step * 10 + rank)
-        x = torch.randn(4, width, generator=g)
-        use_rare = (step + rank) % 2 == 0
-        loss = engine(x, use_rare)
-        engine.backward(loss)
-        engine.step()
-        losses.append(_mean_over_ranks(loss.item()))
-        ref_loss = ddp(x, use_rare)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(_mean_over_ranks(ref_loss.item()))
+        return [(torch.randn(4, width, generator=g), (step + rank) % 2 == 0)]
+
+    def runs(optimizer, capture: bool) -> tuple[harness.Run, harness.Run]:
+        torch.manual_seed(3)
+        model = _Branchy(width)
+        ref = harness.run_ddp(
+            copy.deepcopy(model),
+            optimizer,
+            batches,
+            steps,
+            capture=capture,
+            ddp_kwargs={"find_unused_parameters": True},
+        )
+        harness.restart_fault()
+        engine = zeroservice.initialize(
+            model, ZeroConfig(stage=stage, bucket_elements=1024), optimizer=optimizer
+        )
+        return harness.run_engine(engine, batches, steps, reference=ref if capture else None), ref
+
+    adam, adam_ref = runs(lambda ps: torch.optim.AdamW(ps, lr=1e-2), False)
+    sgd, sgd_ref = runs(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), True)
     return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "ref_state": {k: v.detach().clone() for k, v in ref.state_dict().items()},
+        "losses": adam.losses,
+        "ref_losses": adam_ref.losses,
+        "grad_ratio": sgd.grad_ratio,
+        "weight_ratio": harness.weight_ratio(sgd.state, sgd_ref.state),
     }

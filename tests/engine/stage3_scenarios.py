@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,17 +15,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroservice
+from tests.engine import harness
 from zeroservice.config import ZeroConfig
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.models import GPT, GPTConfig
 
 VOCAB, SEQ = 128, 16
-
-
-def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
 
 
 def _batch(step: int, micro: int = 0, accum: int = 1, batch: int = 2):
@@ -118,58 +114,66 @@ def _loss(name: str, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
-def model_parity(name: str, config: dict, steps: int = 10, lr: float = 3e-3) -> dict:
-    """Per-step losses and final weights of the engine and of DDP on the same model."""
+def _engine_and_ref(name: str, config: dict, optimizer):
     torch.manual_seed(5)
     model = MODELS[name]()
     ref = copy.deepcopy(model)
-    ddp = DDP(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    cfg = ZeroConfig(stage=3, **config)
-    engine = zeroservice.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=lr))
-    accum = cfg.gradient_accumulation_steps
-    losses, ref_losses = [], []
-    for step in range(steps):
-        total, ref_total = 0.0, 0.0
-        for m in range(accum):
-            x, y = _batch(step, m, accum)
-            loss = _loss(name, engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / accum
-            ctx = ddp.no_sync() if m < accum - 1 else _null()
-            with ctx:
-                ref_loss = _loss(name, ddp, x, y)
-                (ref_loss / accum).backward()
-            ref_total += ref_loss.item() / accum
-        if cfg.gradient_clipping:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.gradient_clipping)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        losses.append(_mean_over_ranks(total))
-        ref_losses.append(_mean_over_ranks(ref_total))
+    harness.restart_fault()
+    engine = zeroservice.initialize(model, ZeroConfig(stage=3, **config), optimizer)
+    return engine, ref
+
+
+def model_parity(name: str, config: dict, steps: int = 10, lr: float = 3e-3) -> dict:
+    """The engine against DDP on one model: the AdamW run's losses and an evaluation
+    forward, the SGD run's gradients and weights (see [Note: what parity compares])."""
+    harness.install_fault()
+    accum = config.get("gradient_accumulation_steps", 1)
+    clip = config.get("gradient_clipping", 0.0)
+    loss_fn = partial(_loss_of, name)
+    batches = _batches_for(accum)
+
+    def runs(optimizer, capture: bool):
+        engine, ref = _engine_and_ref(name, config, optimizer)
+        ref_run = harness.run_ddp(
+            ref, optimizer, batches, steps, accum, clip, capture=capture, loss_fn=loss_fn
+        )
+        run = harness.run_engine(
+            engine, batches, steps, accum, ref_run if capture else None, loss_fn
+        )
+        return engine, ref, run, ref_run
+
+    engine, ref, adam, adam_ref = runs(lambda ps: torch.optim.AdamW(ps, lr=lr), False)
     x, y = _batch(steps)
     engine.eval()
     ref.eval()
     with torch.no_grad():  # an evaluation forward gathers and releases, builds no graph
         eval_loss, ref_eval = _loss(name, engine, x, y).item(), _loss(name, ref, x, y).item()
+    gathered = engine.gatherer.live_elements - sum(
+        engine.units[i].padded_numel for i in engine.gatherer.persistent
+    )
+    sgd_factory = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    _, _, sgd, sgd_ref = runs(sgd_factory, True)
     return {
-        "losses": losses,
-        "ref_losses": ref_losses,
+        "losses": adam.losses,
+        "ref_losses": adam_ref.losses,
         "eval": (eval_loss, ref_eval),
-        "gathered_after_eval": engine.gatherer.live_elements
-        - sum(engine.units[i].padded_numel for i in engine.gatherer.persistent),
-        "state": {k: v.float().clone() for k, v in engine.state_dict().items()},
-        "ref_state": {k: v.detach().float().clone() for k, v in ref.state_dict().items()},
+        "gathered_after_eval": gathered,
+        "grad_ratio": sgd.grad_ratio,
+        "weight_ratio": harness.weight_ratio(sgd.state, sgd_ref.state),
+        "state": adam.state,
+        "ref_state": adam_ref.state,
     }
 
 
-class _null:
-    def __enter__(self):
-        return None
+def _loss_of(name: str, model, batch) -> torch.Tensor:
+    return _loss(name, model, *batch)
 
-    def __exit__(self, *exc):
-        return False
+
+def _batches_for(accum: int):
+    def batches(step: int, _accum: int) -> list:
+        return [_batch(step, m, accum) for m in range(accum)]
+
+    return batches
 
 
 def _vm_kib(field: str) -> int:
@@ -267,8 +271,8 @@ def file_init_parity(path: str, stage: int, steps: int = 6) -> dict:
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        losses.append(_mean_over_ranks(loss.item()))
-        ref_losses.append(_mean_over_ranks(ref_loss.item()))
+        losses.append(harness.mean_over_ranks(loss.item()))
+        ref_losses.append(harness.mean_over_ranks(ref_loss.item()))
     return {"losses": losses, "ref_losses": ref_losses}
 
 
