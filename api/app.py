@@ -16,13 +16,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from workers.model_size import ModelNotBuildable
+from workers.spec import JobSpec
+
 from . import store
 from .auth import Principal, bearer
 from .backend import Backend
+from .confine import Refused, checkpoint_base, confine
 from .db import make_engine, session_factory
 from .metrics import ApiMetrics
 from .migrate import upgrade
-from .plan import PlanRefused, plan_job
+from .plan import GIB, PlanRefused, plan_job
 from .scheduler import ACTIVE, Scheduler
 from .schemas import (
     STATUSES,
@@ -59,6 +63,26 @@ class Service:
         self.start_scheduler = start_scheduler
         with self.sessions() as session:
             self.bootstrap_token = store.bootstrap_admin(session, settings.admin_token)
+
+    def count_parameters(self, spec: JobSpec) -> int:
+        """A non-GPT model's size, measured on a worker within the configured bounds."""
+        s = self.settings
+        return self.backend.count_parameters(spec, s.plan_timeout_s, int(s.plan_memory_gib * GIB))
+
+    def confined_plan(
+        self, spec: JobSpec, tenant: str, device_memory_gib: float | None, refuse: bool
+    ) -> tuple[JobSpec, dict[str, Any]]:
+        """The spec confined to what the tenant may name, and its memory plan; 422
+        naming the field when it names something else or its model cannot be built."""
+        try:
+            spec = confine(spec, tenant, self.settings)
+            return spec, plan_job(
+                spec, self.settings, self.count_parameters, device_memory_gib, refuse
+            )
+        except (Refused, ModelNotBuildable) as exc:
+            raise HTTPException(422, str(exc)) from None
+        except PlanRefused as refused:
+            raise HTTPException(422, refused.detail) from None
 
     def _live_metrics(self) -> dict[str, Any]:
         with self.sessions() as session:
@@ -167,17 +191,16 @@ def create_app(service: Service) -> FastAPI:
     # -- jobs ----------------------------------------------------------------------------
     @app.post("/v1/jobs", status_code=201, response_model=JobOut, tags=["jobs"])
     def submit(body: JobSubmit, db: Db, who: Who, response: Response) -> JobOut:
-        try:
-            plan_job(body.spec, service.settings)
-        except PlanRefused as refused:
-            raise HTTPException(422, refused.detail) from None
+        spec, _ = service.confined_plan(body.spec, who.tenant, None, refuse=True)
         created = store.submit(
             db,
             who,
-            body.spec.model_dump(mode="json"),
-            body.spec.name,
+            spec.model_dump(mode="json"),
+            spec.name,
             body.submission_id,
             body.priority,
+            checkpoint_base(service.settings, who.tenant),
+            spec.checkpoint.dir,
         )
         if not created.created:
             response.status_code = 200
@@ -267,7 +290,7 @@ def create_app(service: Service) -> FastAPI:
     # -- planning and the cluster ----------------------------------------------------------
     @app.post("/v1/plan", tags=["plan"])
     def plan(body: PlanRequest, who: Who) -> dict[str, Any]:
-        return plan_job(body.spec, service.settings, body.device_memory_gib, refuse=False)
+        return service.confined_plan(body.spec, who.tenant, body.device_memory_gib, False)[1]
 
     @app.get("/v1/cluster", response_model=ClusterOut, tags=["cluster"])
     def cluster(who: Who) -> ClusterOut:

@@ -27,6 +27,11 @@ class Backend(Protocol):
 
     def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None: ...
 
+    def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
+        """The model's trainable parameters, counted on a worker (never in this process);
+        workers.model_size.ModelNotBuildable when it cannot be built within the bounds."""
+        ...
+
     def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
         """The supervisor's status, new events and log lines, metrics; None if it is gone."""
         ...
@@ -72,6 +77,11 @@ class RayBackend:
 
         Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
         launch(job_id, spec, checkpoint_root)
+
+    def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
+        from workers.model_size import count_on_worker
+
+        return count_on_worker(spec, timeout_s, memory_bytes)
 
     def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
         import ray

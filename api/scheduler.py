@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,6 +28,7 @@ from workers.spec import JobSpec
 
 from . import store
 from .backend import Backend, job_bundles
+from .confine import checkpoint_base, checkpoint_path
 from .db import Job, JobEvent, JobLog, utcnow
 from .metrics import ApiMetrics
 from .schemas import TERMINAL
@@ -147,9 +147,11 @@ class Scheduler:
                 blocked = True
                 waiting.append(spec)
                 continue
-            root = spec.checkpoint.dir or str(Path(self.settings.checkpoint_root) / job.id)
-            job.checkpoint_path = root
-            self.backend.launch(job.id, spec, root)
+            if not job.checkpoint_path:  # queued before checkpoints were placed at submit
+                tenant = store.tenant_names(session, {job.tenant_id})[job.tenant_id]
+                base = checkpoint_base(self.settings, tenant)
+                job.checkpoint_path = checkpoint_path(base, job.id, spec.checkpoint.dir)
+            self.backend.launch(job.id, spec, job.checkpoint_path)
             store.set_status(session, job, "starting", "admitted", "placing ranks on Ray")
             if self.metrics is not None:
                 self.metrics.queue_wait.observe((utcnow() - job.created_at).total_seconds())

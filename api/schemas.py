@@ -98,7 +98,9 @@ class PlanRequest(_Body):
 
 
 class TenantCreate(_Body):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[\w.\-]+$")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+    """Letters, digits, ``_ . -``, not starting with a dot (it names the tenant's
+    checkpoint and data directories)."""
 
 
 class TokenCreate(_Body):

@@ -15,6 +15,10 @@ def _data_dir() -> Path:
     return Path(base) / "zeroservice"
 
 
+def _listed(value: str, sep: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(sep) if item.strip())
+
+
 @dataclass
 class Settings:
     data_dir: Path = field(default_factory=_data_dir)
@@ -33,6 +37,16 @@ class Settings:
     """Memory per GPU rank that submitted jobs' memory plans are checked against."""
     cpu_rank_memory_gib: float = 16.0
     """Memory per CPU rank for the same check."""
+    model_factories: tuple[str, ...] = ()
+    """Module prefixes whose ``module:function`` tenants may name as a factory model
+    (``*``: any); empty: factory models are refused. See docs/operations.md."""
+    data_roots: tuple[str, ...] = ()
+    """Directories a tenant's ``data.path`` must resolve under (``{tenant}`` is replaced
+    by the tenant's name); default: ``<data_dir>/data/{tenant}``."""
+    plan_timeout_s: float = 120.0
+    """How long building a factory or transformers model for its plan may take."""
+    plan_memory_gib: float = 4.0
+    """How much memory that build may take on its worker."""
     admin_token: str | None = field(default=None, repr=False)
     """An admin token provisioned from outside (a Kubernetes Secret, compose): ensured
     to exist at start; without one, the first start creates a token and writes it to
@@ -44,6 +58,8 @@ class Settings:
             self.database_url = f"sqlite:///{self.data_dir / 'zeroservice.db'}"
         if not self.checkpoint_root:
             self.checkpoint_root = str(self.data_dir / "checkpoints")
+        if not self.data_roots:
+            self.data_roots = (str(self.data_dir / "data" / "{tenant}"),)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -65,6 +81,14 @@ class Settings:
             kwargs["device_memory_gib"] = float(env["ZEROSERVICE_DEVICE_MEMORY_GIB"])
         if env.get("ZEROSERVICE_ADMIN_TOKEN"):
             kwargs["admin_token"] = env["ZEROSERVICE_ADMIN_TOKEN"]
+        if "ZEROSERVICE_MODEL_FACTORIES" in env:
+            kwargs["model_factories"] = _listed(env["ZEROSERVICE_MODEL_FACTORIES"], ",")
+        if "ZEROSERVICE_DATA_ROOTS" in env:
+            kwargs["data_roots"] = _listed(env["ZEROSERVICE_DATA_ROOTS"], os.pathsep)
+        if "ZEROSERVICE_PLAN_TIMEOUT_S" in env:
+            kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
+        if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:
+            kwargs["plan_memory_gib"] = float(env["ZEROSERVICE_PLAN_MEMORY_GIB"])
         if "ZEROSERVICE_CPU_RANK_MEMORY_GIB" in env:
             kwargs["cpu_rank_memory_gib"] = float(env["ZEROSERVICE_CPU_RANK_MEMORY_GIB"])
         return cls(**kwargs)

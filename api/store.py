@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .auth import Principal, hash_token, new_token
+from .confine import checkpoint_path
 from .db import ApiToken, Job, JobEvent, JobLog, Tenant, utcnow
 from .schemas import TERMINAL, JobOut
 
@@ -124,16 +125,20 @@ def submit(
     name: str,
     submission_id: str | None,
     priority: int,
+    checkpoint_base: str,
+    checkpoint_sub: str | None = None,
 ) -> Created:
-    """Store a queued job; with a submission id already used by this tenant, the
-    existing job instead (the unique constraint decides under concurrency)."""
+    """Store a queued job, its checkpoints placed under ``checkpoint_base`` (see
+    api/confine.py); with a submission id already used by this tenant, the existing
+    job instead (the unique constraint decides under concurrency)."""
     if submission_id is not None:
         found = _by_submission(session, who.tenant_id, submission_id)
         if found is not None:
             return Created(found, False)
     now = utcnow()
+    job_id = str(uuid.uuid4())
     job = Job(
-        id=str(uuid.uuid4()),
+        id=job_id,
         tenant_id=who.tenant_id,
         submission_id=submission_id,
         name=name,
@@ -145,7 +150,7 @@ def submit(
         attempts=0,
         current_dp=0,
         step=0,
-        checkpoint_path="",
+        checkpoint_path=checkpoint_path(checkpoint_base, job_id, checkpoint_sub),
         events_seen=0,
         logs_seen=0,
         metrics={},

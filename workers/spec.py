@@ -18,6 +18,7 @@ from zeroservice.config import ConfigError, ZeroConfig
 from zeroservice.models import GPTConfig
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_SUB_DIR = re.compile(r"^[\w.\-]+(/[\w.\-]+)*$", re.ASCII)
 
 
 class _Strict(BaseModel):
@@ -79,8 +80,9 @@ class FactoryModelSpec(_Strict):
 
     kind: Literal["factory"]
     """Selects a model built by an importable function."""
-    factory: str
-    """``package.module:function``, importable on every worker."""
+    factory: str = Field(max_length=256)
+    """``package.module:function``, importable on every worker, in a module the
+    service allows."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the factory (JSON)."""
     seq_len: int = Field(128, ge=1, le=1_048_576)
@@ -108,8 +110,9 @@ class DataSpec(_Strict):
 
     kind: Literal["synthetic", "text", "tokens"] = "synthetic"
     """synthetic, text or tokens."""
-    path: str | None = None
-    """File to read (text and tokens); readable by every worker."""
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    """File to read (text and tokens), under the service's data roots (a relative path
+    from the first); readable by every worker."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Id width of a tokens file."""
     seed: int = Field(0, ge=0)
@@ -184,8 +187,23 @@ class CheckpointSpec(_Strict):
     """Save every this many optimizer steps (and at the end)."""
     keep: int = Field(2, ge=1, le=1000)
     """Complete checkpoints kept (older ones are pruned)."""
-    dir: str | None = None
-    """Root directory (default: the service's data directory / job id)."""
+    dir: str | None = Field(None, min_length=1, max_length=255)
+    """A sub-directory of the tenant's checkpoint directory (``a/b``: letters, digits,
+    ``_ . -``; never ``..`` or absolute); default: the job's id. Name the same one
+    in a later job to resume from its checkpoints."""
+
+    @field_validator("dir")
+    @classmethod
+    def _sub_directory(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parts = value.split("/")
+        if not _SUB_DIR.match(value) or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(
+                f"checkpoint.dir: {value[:64]!r} is not a relative sub-directory "
+                "(letters, digits, _ . - separated by /, no '..')"
+            )
+        return value
 
 
 class TimeoutsSpec(_Strict):

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -85,13 +86,20 @@ def database_url(request, tmp_path):
 class Harness:
     """A service on a fake cluster, its HTTP client and its admin token."""
 
-    def __init__(self, database_url: str, data_dir: Path, backend: FakeBackend | None = None):
+    def __init__(
+        self,
+        database_url: str,
+        data_dir: Path,
+        backend: FakeBackend | None = None,
+        **settings: Any,
+    ):
         self.backend = backend or FakeBackend()
         self.settings = Settings(
             data_dir=data_dir,
             database_url=database_url,
             max_cluster={"CPU": 16.0, "GPU": 0.0},
             cpu_rank_memory_gib=16.0,
+            **settings,
         )
         self.service = Service(self.settings, self.backend, start_scheduler=False)
         self.client = TestClient(create_app(self.service))

@@ -20,6 +20,7 @@ class FakeBackend:
         self.cancelled: list[str] = []
         self.requests: list[list[dict[str, float]]] = []
         self.requested: list[dict[str, float]] = []
+        self.counted: list[JobSpec] = []
         self.lock = threading.Lock()
 
     def capacity(self) -> Capacity:
@@ -51,6 +52,13 @@ class FakeBackend:
                 "metrics": {},
                 "targets": [],
             }
+
+    def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
+        """What a worker would do (this process stands for the cluster here)."""
+        from workers.model_size import count_parameters
+
+        self.counted.append(spec)
+        return count_parameters(spec)
 
     def move(self, job_id: str, status: str, reason: str = "", step: int = 0, **extra) -> None:
         """What the job's supervisor would do: a status change, its event and a log line."""
