@@ -8,9 +8,11 @@ every tenant's jobs and create tenants and tokens.
 import time
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
@@ -19,11 +21,12 @@ from sqlalchemy.orm import Session
 from workers.model_size import ModelNotBuildable
 from workers.spec import JobSpec
 
-from . import store
+from . import errors, store
 from .auth import Principal, bearer
 from .backend import Backend
+from .body_limit import BodyLimit
 from .confine import Refused, checkpoint_base, confine
-from .db import make_engine, session_factory
+from .db import ApiToken, make_engine, session_factory, utcnow
 from .metrics import ApiMetrics
 from .migrate import upgrade
 from .plan import GIB, PlanRefused, plan_job
@@ -41,12 +44,16 @@ from .schemas import (
     PlanRequest,
     TenantCreate,
     TokenCreate,
+    TokenInfo,
     TokenOut,
     TokenRevoke,
 )
 from .settings import Settings
 
 API_VERSION = "v1"
+MAX_ID = 2**31 - 1
+"""The largest row id the store holds (its id columns are 32-bit integers)."""
+JobId = Annotated[str, PathParam(min_length=1, max_length=64)]
 
 
 class Service:
@@ -99,6 +106,19 @@ class Service:
         return {"jobs": jobs, "workers": workers, "total": total, "free": free}
 
 
+def token_info(row: ApiToken, tenant: str) -> TokenInfo:
+    return TokenInfo(
+        id=row.id,
+        tenant=tenant,
+        admin=row.admin,
+        name=row.name,
+        prefix=row.prefix,
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        revoked_at=row.revoked_at,
+    )
+
+
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -114,6 +134,8 @@ def create_app(service: Service) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = service
+    errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes)
 
     @app.middleware("http")
     async def measure(request: Request, call_next):
@@ -150,6 +172,8 @@ def create_app(service: Service) -> FastAPI:
         if not who.admin:
             raise HTTPException(403, "an admin token is required")
         return who
+
+    Admin = Annotated[Principal, Depends(admin)]
 
     def job_or_404(db: Session, who: Principal, job_id: str):
         job = store.get_job(db, who, job_id)
@@ -229,11 +253,11 @@ def create_app(service: Service) -> FastAPI:
         )
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
-    def get_job(job_id: str, db: Db, who: Who) -> JobOut:
+    def get_job(job_id: JobId, db: Db, who: Who) -> JobOut:
         return out(db, job_or_404(db, who, job_id), with_spec=True)
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
-    def cancel(job_id: str, db: Db, who: Who) -> JobOut:
+    def cancel(job_id: JobId, db: Db, who: Who) -> JobOut:
         job = job_or_404(db, who, job_id)
         if job.status in TERMINAL:
             raise HTTPException(409, f"job {job_id} is already {job.status}")
@@ -248,10 +272,10 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/events", response_model=list[EventOut], tags=["jobs"])
     def events(
-        job_id: str,
+        job_id: JobId,
         db: Db,
         who: Who,
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 200,
     ) -> list[EventOut]:
         job = job_or_404(db, who, job_id)
@@ -264,10 +288,10 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=list[LogLine], tags=["jobs"])
     def logs(
-        job_id: str,
+        job_id: JobId,
         db: Db,
         who: Who,
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
         limit: Annotated[int, Query(ge=1, le=5000)] = 500,
     ) -> list[LogLine]:
         job = job_or_404(db, who, job_id)
@@ -276,7 +300,7 @@ def create_app(service: Service) -> FastAPI:
         ]
 
     @app.get("/v1/jobs/{job_id}/metrics", response_model=MetricsOut, tags=["jobs"])
-    def job_metrics(job_id: str, db: Db, who: Who) -> MetricsOut:
+    def job_metrics(job_id: JobId, db: Db, who: Who) -> MetricsOut:
         job = job_or_404(db, who, job_id)
         live = False
         stored = job.metrics or {}
@@ -311,7 +335,7 @@ def create_app(service: Service) -> FastAPI:
 
     # -- tenants and tokens (admin) ------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, tags=["admin"])
-    def create_tenant(body: TenantCreate, db: Db, who: Annotated[Principal, Depends(admin)]):
+    def create_tenant(body: TenantCreate, db: Db, who: Admin):
         try:
             tenant = store.create_tenant(db, body.name)
         except store.Conflict as exc:
@@ -319,21 +343,38 @@ def create_app(service: Service) -> FastAPI:
         return {"id": tenant.id, "name": tenant.name}
 
     @app.post("/v1/tokens", status_code=201, response_model=TokenOut, tags=["admin"])
-    def create_token(body: TokenCreate, db: Db, who: Annotated[Principal, Depends(admin)]):
+    def create_token(body: TokenCreate, db: Db, who: Admin) -> TokenOut:
         tenant = store.tenant_by_name(db, body.tenant)
         if tenant is None:
             raise HTTPException(404, f"tenant {body.tenant!r} not found")
-        token = store.create_token(db, tenant, body.admin, body.name)
-        return TokenOut(token=token, tenant=tenant.name, admin=body.admin, prefix=token[:10])
+        days = body.expires_in_days or service.settings.token_ttl_days
+        expires = utcnow() + timedelta(days=days)
+        token, row = store.create_token(db, tenant, body.admin, body.name, expires)
+        return TokenOut(token=token, **token_info(row, tenant.name).model_dump())
+
+    @app.get("/v1/tokens", response_model=list[TokenInfo], tags=["admin"])
+    def list_tokens(
+        db: Db, who: Admin, tenant: Annotated[str | None, Query(max_length=128)] = None
+    ) -> list[TokenInfo]:
+        return [token_info(row, name) for row, name in store.list_tokens(db, tenant)]
+
+    @app.delete("/v1/tokens/{token_id}", tags=["admin"])
+    def revoke_token_by_id(
+        token_id: Annotated[int, PathParam(ge=1, le=MAX_ID)], db: Db, who: Admin
+    ) -> dict[str, int]:
+        return {"revoked": revoked_or_404(store.revoke_token_by_id, token_id, db, who)}
 
     @app.post("/v1/tokens/revoke", tags=["admin"])
-    def revoke_token(body: TokenRevoke, db: Db, who: Annotated[Principal, Depends(admin)]):
+    def revoke_token(body: TokenRevoke, db: Db, who: Admin) -> dict[str, int]:
+        return {"revoked": revoked_or_404(store.revoke_token, body.prefix, db, who)}
+
+    def revoked_or_404(revoke, key, db: Session, who: Principal) -> int:
         try:
-            revoked = store.revoke_token(db, body.prefix, who)
+            revoked = revoke(db, key, who)
         except store.Conflict as exc:
             raise HTTPException(409, str(exc)) from None
         if not revoked:
-            raise HTTPException(404, f"no live token starts with {body.prefix!r}")
-        return {"revoked": revoked}
+            raise HTTPException(404, f"no live token {key!r}")
+        return revoked
 
     return app

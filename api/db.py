@@ -73,6 +73,18 @@ class ApiToken(Base):
     name: Mapped[str] = mapped_column(String(128), default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    """None: never (the provisioned and first admin tokens, rotated by the operator)."""
+
+
+class Lease(Base):
+    """A named lease one process holds until ``expires_at`` unless it renews it: the
+    scheduler's, so that among several API replicas one schedules at a time."""
+
+    __tablename__ = "leases"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 class Job(Base):

@@ -15,7 +15,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class JobSubmit(_Body):
@@ -107,14 +107,26 @@ class TokenCreate(_Body):
     tenant: str = Field(min_length=1, max_length=128)
     admin: bool = False
     name: str = Field("", max_length=128)
+    expires_in_days: int | None = Field(None, ge=1, le=3650)
+    """Lifetime of the token (default: the service's ZEROSERVICE_TOKEN_TTL_DAYS)."""
 
 
-class TokenOut(BaseModel):
-    token: str
-    """Shown once; only its digest is stored."""
+class TokenInfo(BaseModel):
+    """A token as listed: never the token itself."""
+
+    id: int
     tenant: str
     admin: bool
+    name: str
     prefix: str
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenOut(TokenInfo):
+    token: str
+    """Shown once; only its digest is stored."""
 
 
 class TokenRevoke(_Body):

@@ -47,6 +47,10 @@ class Settings:
     """How long building a factory or transformers model for its plan may take."""
     plan_memory_gib: float = 4.0
     """How much memory that build may take on its worker."""
+    token_ttl_days: int = 90
+    """Lifetime of tokens created through the API when the request names none."""
+    max_body_bytes: int = 2**20
+    """Largest request body accepted (413 above)."""
     admin_token: str | None = field(default=None, repr=False)
     """An admin token provisioned from outside (a Kubernetes Secret, compose): ensured
     to exist at start; without one, the first start creates a token and writes it to
@@ -89,6 +93,10 @@ class Settings:
             kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
         if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:
             kwargs["plan_memory_gib"] = float(env["ZEROSERVICE_PLAN_MEMORY_GIB"])
+        if "ZEROSERVICE_TOKEN_TTL_DAYS" in env:
+            kwargs["token_ttl_days"] = int(env["ZEROSERVICE_TOKEN_TTL_DAYS"])
+        if "ZEROSERVICE_MAX_BODY_BYTES" in env:
+            kwargs["max_body_bytes"] = int(env["ZEROSERVICE_MAX_BODY_BYTES"])
         if "ZEROSERVICE_CPU_RANK_MEMORY_GIB" in env:
             kwargs["cpu_rank_memory_gib"] = float(env["ZEROSERVICE_CPU_RANK_MEMORY_GIB"])
         return cls(**kwargs)

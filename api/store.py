@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -29,6 +30,7 @@ def authenticate(session: Session, token: str) -> Principal | None:
         select(ApiToken, Tenant)
         .join(Tenant, Tenant.id == ApiToken.tenant_id)
         .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+        .where(or_(ApiToken.expires_at.is_(None), ApiToken.expires_at > utcnow()))
     ).first()
     if row is None:
         return None
@@ -51,19 +53,34 @@ def tenant_by_name(session: Session, name: str) -> Tenant | None:
     return session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
 
 
-def create_token(session: Session, tenant: Tenant, admin: bool, name: str = "") -> str:
+def create_token(
+    session: Session,
+    tenant: Tenant,
+    admin: bool,
+    name: str = "",
+    expires_at: datetime | None = None,
+) -> tuple[str, ApiToken]:
+    """A new token (returned once) and its stored row (digest only)."""
     token = new_token()
-    session.add(
-        ApiToken(
-            tenant_id=tenant.id,
-            token_hash=hash_token(token),
-            prefix=token[:10],
-            admin=admin,
-            name=name,
-        )
+    row = ApiToken(
+        tenant_id=tenant.id,
+        token_hash=hash_token(token),
+        prefix=token[:10],
+        admin=admin,
+        name=name,
+        expires_at=expires_at,
     )
+    session.add(row)
     session.commit()
-    return token
+    return token, row
+
+
+def list_tokens(session: Session, tenant: str | None) -> list[tuple[ApiToken, str]]:
+    """Every token (revoked and expired ones too) with its tenant's name, oldest first."""
+    query = select(ApiToken, Tenant.name).join(Tenant, Tenant.id == ApiToken.tenant_id)
+    if tenant is not None:
+        query = query.where(Tenant.name == tenant)
+    return list(session.execute(query.order_by(ApiToken.id)).tuples())
 
 
 def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | None:
@@ -91,19 +108,25 @@ def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | N
     if session.execute(select(func.count(ApiToken.id))).scalar_one():
         return None
     tenant = tenant_by_name(session, "admin") or create_tenant(session, "admin")
-    return create_token(session, tenant, admin=True, name="bootstrap")
+    return create_token(session, tenant, admin=True, name="bootstrap")[0]
 
 
 def revoke_token(session: Session, prefix: str, caller: Principal) -> int:
-    """Revoke every live token starting with ``prefix``; never the caller's own (it would
-    lock the caller out mid-rotation): Conflict then."""
-    rows = list(
-        session.execute(
-            select(ApiToken).where(
-                ApiToken.prefix.startswith(prefix), ApiToken.revoked_at.is_(None)
-            )
-        ).scalars()
-    )
+    """Revoke every live token starting with ``prefix`` (literally: ``%`` and ``_`` match
+    only themselves); never the caller's own (it would lock the caller out
+    mid-rotation): Conflict then."""
+    live = ApiToken.revoked_at.is_(None)
+    query = select(ApiToken).where(ApiToken.prefix.startswith(prefix, autoescape=True), live)
+    return _revoke(session, list(session.execute(query).scalars()), caller)
+
+
+def revoke_token_by_id(session: Session, token_id: int, caller: Principal) -> int:
+    """Revoke one live token by its id (as listed); 0 when no live token has it."""
+    query = select(ApiToken).where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+    return _revoke(session, list(session.execute(query).scalars()), caller)
+
+
+def _revoke(session: Session, rows: list[ApiToken], caller: Principal) -> int:
     if any(row.id == caller.token_id for row in rows):
         raise Conflict("this is the token making the request; revoke it with another one")
     for row in rows:

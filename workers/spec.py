@@ -9,6 +9,7 @@ job is refused at submission, before any resource is taken.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -22,7 +23,25 @@ _SUB_DIR = re.compile(r"^[\w.\-]+(/[\w.\-]+)*$", re.ASCII)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
+
+
+def _finite_json(value: Any, where: str, depth: int = 0) -> Any:
+    """Free-form JSON (factory kwargs, configs) with no NaN or infinity and bounded depth:
+    it is stored and sent on as JSON, which has neither."""
+    if depth > 16:
+        raise ValueError(f"{where}: nested deeper than 16 levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: {value} is not a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _finite_json(item, f"{where}.{key}", depth + 1)
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _finite_json(item, f"{where}[{i}]", depth + 1)
+    return value
 
 
 class GPTModelSpec(_Strict):
@@ -64,7 +83,9 @@ class TransformersModelSpec(_Strict):
 
     kind: Literal["transformers"]
     """Selects a transformers model."""
-    architecture: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9]*ForCausalLM$|^GPT2LMHeadModel$")
+    architecture: str = Field(
+        max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9]*ForCausalLM$|^GPT2LMHeadModel$"
+    )
     """e.g. GPT2LMHeadModel, LlamaForCausalLM."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Arguments of the architecture's config class (n_layer, hidden_size, ...)."""
@@ -72,6 +93,11 @@ class TransformersModelSpec(_Strict):
     """Tokens per sample."""
     vocab_size: int = Field(ge=2, le=1_048_576)
     """Vocabulary size (must equal the config's)."""
+
+    @field_validator("config")
+    @classmethod
+    def _finite_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _finite_json(value, "model.config")
 
 
 class FactoryModelSpec(_Strict):
@@ -89,6 +115,11 @@ class FactoryModelSpec(_Strict):
     """Tokens per sample."""
     vocab_size: int = Field(ge=2, le=1_048_576)
     """Vocabulary size (token ids are checked against it)."""
+
+    @field_validator("kwargs")
+    @classmethod
+    def _finite_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _finite_json(value, "model.kwargs")
 
     @field_validator("factory")
     @classmethod
@@ -115,7 +146,7 @@ class DataSpec(_Strict):
     from the first); readable by every worker."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Id width of a tokens file."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     """Seed of the sample order (and of the synthetic chain)."""
 
     @model_validator(mode="after")
@@ -239,7 +270,7 @@ class JobSpec(_Strict):
     """Bootstrap and hang-watchdog limits."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """Restarts (worker loss, stalls, failed starts) before the job fails."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     """Seed of the initial weights."""
     peak_tflops: float | None = Field(None, gt=0, le=100_000)
     """Peak dense TFLOPS of one rank's device for MFU (default: from the device table)."""
@@ -254,6 +285,7 @@ class JobSpec(_Strict):
     @field_validator("engine")
     @classmethod
     def _engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _finite_json(value, "engine")
         try:
             ZeroConfig.from_dict(dict(value))
         except (ConfigError, TypeError) as exc:
