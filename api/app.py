@@ -16,6 +16,8 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from workers.model_size import ModelNotBuildable
@@ -53,6 +55,8 @@ from .settings import Settings
 API_VERSION = "v1"
 MAX_ID = 2**31 - 1
 """The largest row id the store holds (its id columns are 32-bit integers)."""
+METRICS_TTL_S = 5.0
+"""How long /metrics reuses its reading of the store and the cluster."""
 JobId = Annotated[str, PathParam(min_length=1, max_length=64)]
 
 
@@ -65,6 +69,7 @@ class Service:
         self.engine = make_engine(settings.database_url)
         upgrade(self.engine)
         self.sessions = session_factory(self.engine)
+        self._metrics_read: tuple[float, dict[str, Any]] | None = None
         self.metrics = ApiMetrics(self._live_metrics)
         self.scheduler = Scheduler(self.sessions, backend, settings, self.metrics)
         self.start_scheduler = start_scheduler
@@ -92,6 +97,19 @@ class Service:
             raise HTTPException(422, refused.detail) from None
 
     def _live_metrics(self) -> dict[str, Any]:
+        """What /metrics reports of the store and the cluster, read at most once per
+        METRICS_TTL_S (scrapes do not load the store); the last reading while the
+        store does not answer."""
+        now = time.monotonic()
+        if self._metrics_read is None or now - self._metrics_read[0] >= METRICS_TTL_S:
+            try:
+                self._metrics_read = (now, self._read_metrics())
+            except (OperationalError, InterfaceError, PoolTimeout):
+                if self._metrics_read is None:
+                    raise
+        return self._metrics_read[1]
+
+    def _read_metrics(self) -> dict[str, Any]:
         with self.sessions() as session:
             jobs = store.count_by_status(session)
             workers = {

@@ -135,9 +135,19 @@ class JobLog(Base):
     line: Mapped[str] = mapped_column(Text)
 
 
+CONNECT_TIMEOUT_S = 5
+"""A store that does not accept a connection within this is reported unavailable (503)."""
+STATEMENT_TIMEOUT_S = 30
+"""No statement runs longer (PostgreSQL's statement_timeout; SQLite's lock wait)."""
+
+
 def make_engine(url: str) -> Engine:
+    """The store's engine, with connect and statement timeouts: a store that hangs
+    turns into an error the routes answer with 503, never into a hung request."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": STATEMENT_TIMEOUT_S}
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record) -> None:
@@ -147,7 +157,15 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_timeout=CONNECT_TIMEOUT_S,
+        connect_args={
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "options": f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000}",
+        },
+    )
 
 
 def session_factory(engine: Engine) -> sessionmaker:
