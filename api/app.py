@@ -223,7 +223,11 @@ def create_app(service: Service) -> FastAPI:
             service.backend.capacity()
         except Exception as exc:
             problems.append(f"cluster: {exc}")
-        body = {"status": "ready" if not problems else "not ready", "problems": problems}
+        body = {
+            "status": "ready" if not problems else "not ready",
+            "problems": problems,
+            "scheduler": "leader" if service.scheduler.leader else "standby",
+        }
         return JSONResponse(body, status_code=200 if not problems else 503)
 
     @app.get("/metrics", tags=["health"])

@@ -4,6 +4,8 @@ when they fit, and tell the autoscaler what the queue needs.
 [Note: scheduling]
 Each tick, in one session:
 
+0. Lease: among API replicas sharing a store, only the holder of the ``scheduler``
+   lease (api/lease.py) goes on; the others wait for it to lapse.
 1. Sync: every job the store thinks active (starting, running, resizing) is polled
    through its supervisor (found by name, so a restarted control plane reattaches to
    the jobs it left running); new events and log lines are copied into the store,
@@ -26,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from workers.spec import JobSpec
 
-from . import store
+from . import lease, store
 from .backend import Backend, job_bundles
 from .confine import checkpoint_base, checkpoint_path
 from .db import Job, JobEvent, JobLog, utcnow
@@ -35,6 +37,7 @@ from .schemas import TERMINAL
 from .settings import Settings
 
 ACTIVE = ("starting", "running", "resizing")
+LEASE = "scheduler"
 log = logging.getLogger("zeroservice.scheduler")
 
 
@@ -55,6 +58,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self.ticks = 0
         self.last_error: str | None = None
+        self.holder = lease.new_holder()
+        self.leader = False
+        """Whether this replica held the scheduler's lease at its last tick."""
 
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -67,6 +73,10 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.leader:
+            with self.sessions() as session:
+                lease.release(session, LEASE, self.holder)
+            self.leader = False
 
     @property
     def alive(self) -> bool:
@@ -82,12 +92,18 @@ class Scheduler:
                 log.exception("scheduler tick failed")
             self._stop.wait(self.settings.scheduler_interval_s)
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """One round; False, doing nothing, while another replica holds the lease."""
         with self._lock, self.sessions() as session:
+            ttl = self.settings.scheduler_lease_s
+            self.leader = lease.acquire(session, LEASE, self.holder, ttl)
+            if not self.leader:
+                return False
             self.sync(session)
             waiting = self.admit(session)
             self.autoscale(waiting)
             self.ticks += 1
+            return True
 
     # -- 1. sync ----------------------------------------------------------------------
     def sync(self, session: Session, only: str | None = None) -> None:

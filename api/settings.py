@@ -31,6 +31,8 @@ class Settings:
     checkpoint_root: str = ""
     """Where jobs keep checkpoints (default: <data_dir>/checkpoints/<job id>)."""
     scheduler_interval_s: float = 1.0
+    scheduler_lease_s: float = 15.0
+    """A replica that has not ticked for this long loses the scheduler to another."""
     max_cluster: dict[str, float] = field(default_factory=lambda: {"CPU": 64.0, "GPU": 8.0})
     """Upper bound of what the autoscaler is asked for, in total."""
     device_memory_gib: float = 80.0
@@ -85,6 +87,10 @@ class Settings:
             kwargs["device_memory_gib"] = float(env["ZEROSERVICE_DEVICE_MEMORY_GIB"])
         if env.get("ZEROSERVICE_ADMIN_TOKEN"):
             kwargs["admin_token"] = env["ZEROSERVICE_ADMIN_TOKEN"]
+        if "ZEROSERVICE_SCHEDULER_INTERVAL_S" in env:
+            kwargs["scheduler_interval_s"] = float(env["ZEROSERVICE_SCHEDULER_INTERVAL_S"])
+        if "ZEROSERVICE_SCHEDULER_LEASE_S" in env:
+            kwargs["scheduler_lease_s"] = float(env["ZEROSERVICE_SCHEDULER_LEASE_S"])
         if "ZEROSERVICE_MODEL_FACTORIES" in env:
             kwargs["model_factories"] = _listed(env["ZEROSERVICE_MODEL_FACTORIES"], ",")
         if "ZEROSERVICE_DATA_ROOTS" in env:

@@ -258,6 +258,7 @@ def test_jobs_and_events_survive_a_restart_and_running_jobs_are_reattached(datab
     first.backend.move(job["id"], "running", "training", step=2)
     first.tick()
     before = first.client.get(f"/v1/jobs/{job['id']}/events", headers=h).json()
+    first.service.scheduler.stop()  # a clean shutdown hands the scheduler's lease back
     first.client.close()
     first.service.engine.dispose()
     # A new control plane on the same store and the same cluster (the supervisor lives on).
