@@ -322,15 +322,25 @@ def create_app(service: Service) -> FastAPI:
         ]
 
     @app.get("/v1/jobs/{job_id}/metrics", response_model=MetricsOut, tags=["jobs"])
-    def job_metrics(job_id: JobId, db: Db, who: Who) -> MetricsOut:
+    def job_metrics(
+        job_id: JobId,
+        db: Db,
+        who: Who,
+        history_after: Annotated[int, Query(ge=-1, le=MAX_ID)] = -1,
+        history_limit: Annotated[int, Query(ge=0, le=1000)] = 1000,
+    ) -> MetricsOut:
+        """The per-rank stats (live while the job runs) and the chunks of its history
+        after step ``history_after``, oldest first, at most ``history_limit``."""
         job = job_or_404(db, who, job_id)
         live = False
         stored = job.metrics or {}
-        ranks, history = stored.get("ranks", {}), stored.get("history", [])
+        ranks = stored.get("ranks", {})
+        later = [h for h in stored.get("history", []) if h.get("step", 0) > history_after]
+        history = later[:history_limit]
         if job.status in ACTIVE:
-            snap = service.backend.poll(job.id, 10**9, 10**9)
+            snap = service.backend.poll(job.id, MAX_ID, MAX_ID, MAX_ID)
             if snap is not None and snap.get("metrics"):
-                ranks, history, live = snap["metrics"], snap.get("history", history), True
+                ranks, live = snap["metrics"], True
         return MetricsOut(job_id=job.id, step=job.step, ranks=ranks, history=history, live=live)
 
     # -- planning and the cluster ----------------------------------------------------------
@@ -350,7 +360,7 @@ def create_app(service: Service) -> FastAPI:
         for job in store.jobs_in(db, ACTIVE):
             if not who.admin and job.tenant_id != who.tenant_id:
                 continue
-            snap = service.backend.poll(job.id, 10**9, 10**9)
+            snap = service.backend.poll(job.id, MAX_ID, MAX_ID, MAX_ID)
             for target in (snap or {}).get("targets", []):
                 found.append(target)
         return found

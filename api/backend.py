@@ -32,8 +32,11 @@ class Backend(Protocol):
         workers.model_size.ModelNotBuildable when it cannot be built within the bounds."""
         ...
 
-    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
-        """The supervisor's status, new events and log lines, metrics; None if it is gone."""
+    def poll(
+        self, job_id: str, events_since: int, logs_since: int, history_since: int
+    ) -> dict[str, Any] | None:
+        """The supervisor's status, new events, log lines and history chunks (after the
+        positions given), metrics; None if it is gone."""
         ...
 
     def cancel(self, job_id: str, reason: str) -> None: ...
@@ -83,7 +86,9 @@ class RayBackend:
 
         return count_on_worker(spec, timeout_s, memory_bytes)
 
-    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
+    def poll(
+        self, job_id: str, events_since: int, logs_since: int, history_since: int
+    ) -> dict[str, Any] | None:
         import ray
 
         from workers.jobs import attach
@@ -92,7 +97,7 @@ class RayBackend:
         if handle is None:
             return None
         try:
-            return ray.get(handle.poll.remote(events_since, logs_since), timeout=30)
+            return ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
         except Exception:
             return None
 

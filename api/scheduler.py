@@ -31,7 +31,7 @@ from workers.spec import JobSpec
 from . import lease, store
 from .backend import Backend, job_bundles
 from .confine import checkpoint_base, checkpoint_path
-from .db import Job, JobEvent, JobLog, utcnow
+from .db import Job, utcnow
 from .metrics import ApiMetrics
 from .schemas import TERMINAL
 from .settings import Settings
@@ -114,7 +114,8 @@ class Scheduler:
         session.commit()
 
     def _sync_job(self, session: Session, job: Job) -> None:
-        snap = self.backend.poll(job.id, job.events_seen, job.logs_seen)
+        seen_history = int((job.metrics or {}).get("history_seen", 0))
+        snap = self.backend.poll(job.id, job.events_seen, job.logs_seen, seen_history)
         if snap is None:
             store.set_status(
                 session,
@@ -124,27 +125,20 @@ class Scheduler:
                 "the job's supervisor is gone (the cluster restarted or lost its node)",
             )
             return
-        for event in snap["events"]:
-            data = {k: v for k, v in event.items() if k not in ("kind", "reason", "message")}
-            session.add(
-                JobEvent(
-                    job_id=job.id,
-                    time=utcnow(),
-                    kind=event["kind"],
-                    reason=event["reason"],
-                    message=event["message"],
-                    data=data,
-                )
-            )
-        for line in snap["logs"]:
-            session.add(JobLog(job_id=job.id, time=utcnow(), line=line))
-        job.events_seen += len(snap["events"])
-        job.logs_seen += len(snap["logs"])
+        limits = self.settings
+        store.add_events(session, job, snap["events"], limits.max_events_per_job)
+        store.add_log_lines(session, job, snap["logs"], limits.max_log_lines_per_job)
+        store.add_metrics(
+            session,
+            job,
+            snap.get("metrics") or {},
+            snap.get("history", []),
+            int(snap.get("history_total", seen_history + len(snap.get("history", [])))),
+            limits.max_history_per_job,
+        )
         st = snap["status"]
         job.attempts, job.current_dp, job.step = st["restarts"], st["dp"], st["step"]
         job.checkpoint_path = st.get("checkpoint_root", job.checkpoint_path)
-        if snap.get("metrics"):
-            job.metrics = {"ranks": snap["metrics"], "history": snap.get("history", [])}
         job.updated_at = utcnow()
         store.set_status(session, job, st["status"], st["reason"], st["message"], record=False)
         if job.status in TERMINAL:

@@ -49,6 +49,12 @@ class Settings:
     """How long building a factory or transformers model for its plan may take."""
     plan_memory_gib: float = 4.0
     """How much memory that build may take on its worker."""
+    max_events_per_job: int = 10_000
+    """Events kept per job (the newest; older ones are deleted)."""
+    max_log_lines_per_job: int = 10_000
+    """Log lines kept per job (the newest)."""
+    max_history_per_job: int = 1_000
+    """Chunks of the per-chunk history kept per job (the newest)."""
     token_ttl_days: int = 90
     """Lifetime of tokens created through the API when the request names none."""
     max_body_bytes: int = 2**20
@@ -99,6 +105,9 @@ class Settings:
             kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
         if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:
             kwargs["plan_memory_gib"] = float(env["ZEROSERVICE_PLAN_MEMORY_GIB"])
+        for name in ("max_events_per_job", "max_log_lines_per_job", "max_history_per_job"):
+            if f"ZEROSERVICE_{name.upper()}" in env:
+                kwargs[name] = int(env[f"ZEROSERVICE_{name.upper()}"])
         if "ZEROSERVICE_TOKEN_TTL_DAYS" in env:
             kwargs["token_ttl_days"] = int(env["ZEROSERVICE_TOKEN_TTL_DAYS"])
         if "ZEROSERVICE_MAX_BODY_BYTES" in env:

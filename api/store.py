@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -294,6 +294,53 @@ def events(session: Session, job: Job, after: int, limit: int) -> list[JobEvent]
 
 def logs(session: Session, job: Job, after: int, limit: int) -> list[JobLog]:
     return _after(session, JobLog, job, after, limit)
+
+
+def add_events(session: Session, job: Job, events: list[dict], keep: int) -> None:
+    """Store the supervisor's new events (its own fields as ``data``), keeping the
+    newest ``keep`` of the job."""
+    for event in events:
+        data = {k: v for k, v in event.items() if k not in ("kind", "reason", "message")}
+        add_event(session, job, event["kind"], event["reason"], event["message"], data)
+    job.events_seen += len(events)
+    if events:
+        _prune(session, JobEvent, job, keep)
+
+
+def add_log_lines(session: Session, job: Job, lines: list[str], keep: int) -> None:
+    """Store new log lines, keeping the newest ``keep`` of the job."""
+    now = utcnow()
+    session.add_all(JobLog(job_id=job.id, time=now, line=line) for line in lines)
+    job.logs_seen += len(lines)
+    if lines:
+        _prune(session, JobLog, job, keep)
+
+
+def add_metrics(
+    session: Session,
+    job: Job,
+    ranks: dict[str, Any],
+    history: list[dict],
+    history_seen: int,
+    keep: int,
+) -> None:
+    """The newest per-rank stats, and the history extended by its new chunks (the
+    newest ``keep`` of them); ``history_seen``: the supervisor's next position."""
+    stored = job.metrics or {}
+    job.metrics = {
+        "ranks": ranks or stored.get("ranks", {}),
+        "history": (stored.get("history", []) + history)[-keep:],
+        "history_seen": history_seen,
+    }
+
+
+def _prune(session: Session, table, job: Job, keep: int) -> None:
+    """Delete the job's rows of ``table`` older than its newest ``keep``."""
+    session.flush()
+    newest = select(table.id).where(table.job_id == job.id).order_by(table.id.desc())
+    cutoff = session.execute(newest.offset(keep).limit(1)).scalar_one_or_none()
+    if cutoff is not None:
+        session.execute(delete(table).where(table.job_id == job.id, table.id <= cutoff))
 
 
 def jobs_in(session: Session, statuses: tuple[str, ...]) -> list[Job]:

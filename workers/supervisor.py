@@ -39,10 +39,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from .cluster import actor_env
 from .placement import Placement, bundle, place, replicas_available
 from .rank import RankWorker
+from .ring import Ring
 from .spec import JobSpec
 from .watchdog import diagnose
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+MAX_EVENTS = 10_000
+MAX_LOG_LINES = 10_000
+MAX_HISTORY = 10_000
+MAX_LOSSES = 10_000
+"""What a supervisor keeps in memory (the newest); the control plane keeps its own
+copies under its own retention limits (docs/operations.md, "Retention")."""
 NAMESPACE = "zeroservice"
 
 
@@ -80,9 +87,9 @@ class JobSupervisor:
         self.root = checkpoint_root
         self._lock = threading.RLock()
         self._status, self._reason, self._message = "queued", "submitted", ""
-        self._events: list[dict[str, Any]] = []
-        self._log: list[str] = []
-        self._history: list[dict[str, Any]] = []
+        self._events: Ring[dict[str, Any]] = Ring(MAX_EVENTS)
+        self._log: Ring[str] = Ring(MAX_LOG_LINES)
+        self._history: Ring[dict[str, Any]] = Ring(MAX_HISTORY)
         """Per chunk of steps: step, loss, tokens/s of all replicas, dp."""
         self._losses: dict[int, float] = {}
         self._restarts = 0
@@ -118,7 +125,7 @@ class JobSupervisor:
                 "step": self._step,
                 "steps": self.spec.steps,
                 "restarts": self._restarts,
-                "events": len(self._events),
+                "events": self._events.total,
                 "started_at": self._started_at,
                 "finished_at": self._finished_at,
                 "checkpoint_root": self.root,
@@ -126,27 +133,33 @@ class JobSupervisor:
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         with self._lock:
-            return [dict(e) for e in self._events[since:]]
+            return [dict(e) for e in self._events.since(since)]
 
     def logs(self, since: int = 0) -> list[str]:
         """Progress lines (one per chunk of steps) and every event, time-stamped."""
         with self._lock:
-            return list(self._log[since:])
+            return self._log.since(since)
 
-    def poll(self, events_since: int = 0, logs_since: int = 0) -> dict[str, Any]:
-        """Everything the control plane syncs, in one call."""
+    def poll(
+        self, events_since: int = 0, logs_since: int = 0, history_since: int = 0
+    ) -> dict[str, Any]:
+        """Everything the control plane syncs, in one call: what is new since the
+        positions it has seen (``history_total``: the next history position)."""
+        with self._lock:
+            history_total = self._history.total
         return {
             "status": self.status(),
             "events": self.events(events_since),
             "logs": self.logs(logs_since),
             "metrics": self.metrics(),
-            "history": self.history(),
+            "history": self.history(history_since),
+            "history_total": history_total,
             "targets": self.targets(),
         }
 
-    def history(self) -> list[dict[str, Any]]:
+    def history(self, since: int = 0) -> list[dict[str, Any]]:
         with self._lock:
-            return [dict(h) for h in self._history]
+            return [dict(h) for h in self._history.since(since)]
 
     def losses(self) -> dict[int, float]:
         with self._lock:
@@ -199,7 +212,7 @@ class JobSupervisor:
         with self._lock:
             self._events.append(
                 {
-                    "seq": len(self._events),
+                    "seq": self._events.total,
                     "time": _now(),
                     "kind": kind,
                     "reason": reason,
@@ -432,6 +445,8 @@ class JobSupervisor:
         with self._lock:
             for s, values in per_step.items():
                 self._losses[s] = sum(values) / len(values)
+            for s in sorted(self._losses)[: max(0, len(self._losses) - MAX_LOSSES)]:
+                del self._losses[s]
             for r, res in enumerate(results):
                 self._rank_stats[r] = {
                     k: res[k]

@@ -21,6 +21,8 @@ class FakeBackend:
         self.requests: list[list[dict[str, float]]] = []
         self.requested: list[dict[str, float]] = []
         self.counted: list[JobSpec] = []
+        self.history_asked: list[int] = []
+        """``history_since`` of every poll, in order."""
         self.lock = threading.Lock()
 
     def capacity(self) -> Capacity:
@@ -50,6 +52,7 @@ class FakeBackend:
                 "events": [],
                 "logs": [],
                 "metrics": {},
+                "history": [],
                 "targets": [],
             }
 
@@ -73,8 +76,17 @@ class FakeBackend:
             if status in ("succeeded", "failed", "cancelled"):
                 self.used -= job["cpus"]
 
-    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
+    def chunk(self, job_id: str, step: int, loss: float) -> None:
+        """A chunk of steps done, as the supervisor appends it to the job's history."""
         with self.lock:
+            entry = {"step": step, "loss": loss, "tokens_per_second": 100.0, "dp": 1}
+            self.jobs[job_id]["history"].append(entry)
+
+    def poll(
+        self, job_id: str, events_since: int, logs_since: int, history_since: int = 0
+    ) -> dict[str, Any] | None:
+        with self.lock:
+            self.history_asked.append(history_since)
             job = self.jobs.get(job_id)
             if job is None:
                 return None
@@ -83,6 +95,8 @@ class FakeBackend:
                 "events": job["events"][events_since:],
                 "logs": job["logs"][logs_since:],
                 "metrics": job["metrics"],
+                "history": job["history"][history_since:],
+                "history_total": len(job["history"]),
                 "targets": job["targets"],
             }
 
