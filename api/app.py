@@ -5,6 +5,8 @@ Every /v1 route needs a bearer token; a tenant sees and cancels only its own job
 every tenant's jobs and create tenants and tokens.
 """
 
+import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
@@ -19,11 +21,12 @@ from sqlalchemy import text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
 
 from workers.model_size import ModelNotBuildable
 from workers.spec import JobSpec
 
-from . import errors, store
+from . import errors, quota, store
 from .auth import Principal, bearer
 from .backend import Backend
 from .body_limit import BodyLimit
@@ -32,6 +35,7 @@ from .db import ApiToken, make_engine, session_factory, utcnow
 from .metrics import ApiMetrics
 from .migrate import upgrade
 from .plan import GIB, PlanRefused, plan_job
+from .rate_limit import RateLimiter
 from .scheduler import ACTIVE, Scheduler
 from .schemas import (
     STATUSES,
@@ -45,6 +49,7 @@ from .schemas import (
     MetricsOut,
     PlanRequest,
     TenantCreate,
+    TenantLimits,
     TokenCreate,
     TokenInfo,
     TokenOut,
@@ -52,6 +57,7 @@ from .schemas import (
 )
 from .settings import Settings
 
+log = logging.getLogger("zeroservice.api")
 API_VERSION = "v1"
 MAX_ID = 2**31 - 1
 """The largest row id the store holds (its id columns are 32-bit integers)."""
@@ -70,6 +76,7 @@ class Service:
         upgrade(self.engine)
         self.sessions = session_factory(self.engine)
         self._metrics_read: tuple[float, dict[str, Any]] | None = None
+        self.rate = RateLimiter(settings.rate_per_s, settings.rate_burst)
         self.metrics = ApiMetrics(self._live_metrics)
         self.scheduler = Scheduler(self.sessions, backend, settings, self.metrics)
         self.start_scheduler = start_scheduler
@@ -95,6 +102,15 @@ class Service:
             raise HTTPException(422, str(exc)) from None
         except PlanRefused as refused:
             raise HTTPException(422, refused.detail) from None
+
+    def live_snapshot(self, job_id: str) -> dict[str, Any] | None:
+        """The supervisor's current metrics and targets (no events, logs or history);
+        None when it is gone or does not answer now."""
+        try:
+            return self.backend.poll(job_id, MAX_ID, MAX_ID, MAX_ID)
+        except Exception as exc:
+            log.warning("job %s: no live snapshot: %s", job_id, type(exc).__name__)
+            return None
 
     def _live_metrics(self) -> dict[str, Any]:
         """What /metrics reports of the store and the cluster, read at most once per
@@ -182,6 +198,14 @@ def create_app(service: Service) -> FastAPI:
                 "missing or invalid bearer token",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        wait = service.rate.wait_s(who.token_id)
+        if wait > 0:
+            limit = f"{service.settings.rate_per_s:g}/s, burst {service.settings.rate_burst}"
+            raise HTTPException(
+                429,
+                f"rate: this token's limit ({limit}) is reached",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
         return who
 
     Who = Annotated[Principal, Depends(principal)]
@@ -238,6 +262,10 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/jobs", status_code=201, response_model=JobOut, tags=["jobs"])
     def submit(body: JobSubmit, db: Db, who: Who, response: Response) -> JobOut:
         spec, _ = service.confined_plan(body.spec, who.tenant, None, refuse=True)
+        try:
+            quota.check_submission(db, who, spec, body.priority, service.settings)
+        except quota.OverLimit as over:
+            raise HTTPException(over.status, str(over)) from None
         created = store.submit(
             db,
             who,
@@ -285,7 +313,10 @@ def create_app(service: Service) -> FastAPI:
             raise HTTPException(409, f"job {job_id} is already {job.status}")
         if job.status == "queued":
             store.set_status(db, job, "cancelled", "cancelled", f"cancelled by {who.tenant}")
-            db.commit()
+            try:
+                db.commit()  # version-checked: admission may have taken it meanwhile
+            except StaleDataError:
+                raise HTTPException(409, f"job {job_id} changed meanwhile; retry") from None
         else:
             service.backend.cancel(job.id, f"cancelled by {who.tenant}")
             store.add_event(db, job, "request", "cancel", f"cancel requested by {who.tenant}")
@@ -338,7 +369,7 @@ def create_app(service: Service) -> FastAPI:
         later = [h for h in stored.get("history", []) if h.get("step", 0) > history_after]
         history = later[:history_limit]
         if job.status in ACTIVE:
-            snap = service.backend.poll(job.id, MAX_ID, MAX_ID, MAX_ID)
+            snap = service.live_snapshot(job.id)
             if snap is not None and snap.get("metrics"):
                 ranks, live = snap["metrics"], True
         return MetricsOut(job_id=job.id, step=job.step, ranks=ranks, history=history, live=live)
@@ -360,7 +391,7 @@ def create_app(service: Service) -> FastAPI:
         for job in store.jobs_in(db, ACTIVE):
             if not who.admin and job.tenant_id != who.tenant_id:
                 continue
-            snap = service.backend.poll(job.id, MAX_ID, MAX_ID, MAX_ID)
+            snap = service.live_snapshot(job.id)
             for target in (snap or {}).get("targets", []):
                 found.append(target)
         return found
@@ -373,6 +404,16 @@ def create_app(service: Service) -> FastAPI:
         except store.Conflict as exc:
             raise HTTPException(409, str(exc)) from None
         return {"id": tenant.id, "name": tenant.name}
+
+    @app.put("/v1/tenants/{name}/limits", response_model=TenantLimits, tags=["admin"])
+    def set_limits(
+        name: Annotated[str, PathParam(max_length=128)], body: TenantLimits, db: Db, who: Admin
+    ) -> TenantLimits:
+        tenant = store.tenant_by_name(db, name)
+        if tenant is None:
+            raise HTTPException(404, f"tenant {name!r} not found")
+        store.set_limits(db, tenant, **body.model_dump())
+        return body
 
     @app.post("/v1/tokens", status_code=201, response_model=TokenOut, tags=["admin"])
     def create_token(body: TokenCreate, db: Db, who: Admin) -> TokenOut:

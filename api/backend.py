@@ -90,6 +90,7 @@ class RayBackend:
         self, job_id: str, events_since: int, logs_since: int, history_since: int
     ) -> dict[str, Any] | None:
         import ray
+        from ray.exceptions import RayActorError
 
         from workers.jobs import attach
 
@@ -98,8 +99,9 @@ class RayBackend:
             return None
         try:
             return ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
-        except Exception:
-            return None
+        except RayActorError:
+            return None  # it died between the lookup and the call
+        # A timeout raises: the supervisor is slow, not gone; the job is left as it is.
 
     def cancel(self, job_id: str, reason: str) -> None:
         import ray

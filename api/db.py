@@ -59,6 +59,14 @@ class Tenant(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    max_priority: Mapped[int] = mapped_column(Integer, default=0)
+    """The highest priority the tenant's jobs may ask for (set by an admin)."""
+    max_ranks: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Ranks the tenant's active jobs may hold together; None: no limit."""
+    max_gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """GPUs the tenant's active jobs may hold together; None: no limit."""
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Jobs the tenant may have queued; None: the service's default."""
 
 
 class ApiToken(Base):
@@ -114,6 +122,10 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    """Bumped by every write; a write from a stale read fails (StaleDataError)."""
+
+    __mapper_args__ = {"version_id_col": version}
 
 
 class JobEvent(Base):

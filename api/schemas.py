@@ -12,6 +12,8 @@ from workers.spec import JobSpec
 Status = Literal["queued", "starting", "running", "resizing", "succeeded", "failed", "cancelled"]
 STATUSES: tuple[str, ...] = Status.__args__  # type: ignore[attr-defined]
 TERMINAL = ("succeeded", "failed", "cancelled")
+ACTIVE = ("starting", "running", "resizing")
+"""Statuses in which a job holds cluster resources."""
 
 
 class _Body(BaseModel):
@@ -101,6 +103,19 @@ class TenantCreate(_Body):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
     """Letters, digits, ``_ . -``, not starting with a dot (it names the tenant's
     checkpoint and data directories)."""
+
+
+class TenantLimits(_Body):
+    """What an admin allows a tenant (see docs/operations.md, "Quotas")."""
+
+    max_priority: int = Field(0, ge=-100, le=100)
+    """The highest priority its jobs may ask for."""
+    max_ranks: int | None = Field(None, ge=1, le=1_000_000)
+    """Ranks its active jobs may hold together (None: no limit)."""
+    max_gpus: int | None = Field(None, ge=0, le=1_000_000)
+    """GPUs its active jobs may hold together (None: no limit)."""
+    max_queued_jobs: int | None = Field(None, ge=0, le=1_000_000)
+    """Jobs it may have queued (None: the service's default)."""
 
 
 class TokenCreate(_Body):

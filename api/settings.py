@@ -31,6 +31,15 @@ class Settings:
     checkpoint_root: str = ""
     """Where jobs keep checkpoints (default: <data_dir>/checkpoints/<job id>)."""
     scheduler_interval_s: float = 1.0
+    backfill_grace_s: float = 600.0
+    """A queued job that does not fit lets smaller ones pass for this long, then holds
+    the queue until it starts."""
+    max_queued_jobs: int = 100
+    """Queued jobs per tenant unless an admin set the tenant's own limit."""
+    rate_per_s: float = 20.0
+    """Requests per second per token (sustained), answered 429 beyond."""
+    rate_burst: int = 40
+    """Requests a token may make at once before the rate applies."""
     scheduler_lease_s: float = 15.0
     """A replica that has not ticked for this long loses the scheduler to another."""
     max_cluster: dict[str, float] = field(default_factory=lambda: {"CPU": 64.0, "GPU": 8.0})
@@ -105,7 +114,16 @@ class Settings:
             kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
         if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:
             kwargs["plan_memory_gib"] = float(env["ZEROSERVICE_PLAN_MEMORY_GIB"])
-        for name in ("max_events_per_job", "max_log_lines_per_job", "max_history_per_job"):
+        for name in ("backfill_grace_s", "rate_per_s"):
+            if f"ZEROSERVICE_{name.upper()}" in env:
+                kwargs[name] = float(env[f"ZEROSERVICE_{name.upper()}"])
+        for name in (
+            "max_events_per_job",
+            "max_log_lines_per_job",
+            "max_history_per_job",
+            "max_queued_jobs",
+            "rate_burst",
+        ):
             if f"ZEROSERVICE_{name.upper()}" in env:
                 kwargs[name] = int(env[f"ZEROSERVICE_{name.upper()}"])
         if "ZEROSERVICE_TOKEN_TTL_DAYS" in env:

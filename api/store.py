@@ -49,6 +49,13 @@ def create_tenant(session: Session, name: str) -> Tenant:
     return tenant
 
 
+def set_limits(session: Session, tenant: Tenant, **limits: int | None) -> None:
+    """An admin's priority ceiling and quotas for the tenant (see api/quota.py)."""
+    for name, value in limits.items():
+        setattr(tenant, name, value)
+    session.commit()
+
+
 def tenant_by_name(session: Session, name: str) -> Tenant | None:
     return session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
 

@@ -21,6 +21,10 @@ class FakeBackend:
         self.requests: list[list[dict[str, float]]] = []
         self.requested: list[dict[str, float]] = []
         self.counted: list[JobSpec] = []
+        self.refuse_launch: set[str] = set()
+        """Jobs whose launch raises (a supervisor that cannot start)."""
+        self.slow: set[str] = set()
+        """Jobs whose supervisor does not answer a poll in time."""
         self.history_asked: list[int] = []
         """``history_since`` of every poll, in order."""
         self.lock = threading.Lock()
@@ -34,7 +38,11 @@ class FakeBackend:
         return need <= self.total["CPU"] - self.used
 
     def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+        if job_id in self.refuse_launch:
+            raise PermissionError(f"cannot create {checkpoint_root}")
         with self.lock:
+            if job_id in self.jobs:
+                return  # launching is idempotent: the job's supervisor exists
             self.launched.append(job_id)
             cpus = bundle(spec.resources)["CPU"] * spec.resources.lowest_dp
             self.used += cpus
@@ -85,6 +93,8 @@ class FakeBackend:
     def poll(
         self, job_id: str, events_since: int, logs_since: int, history_since: int = 0
     ) -> dict[str, Any] | None:
+        if job_id in self.slow:
+            raise TimeoutError("the supervisor did not answer within 30 s")
         with self.lock:
             self.history_asked.append(history_since)
             job = self.jobs.get(job_id)

@@ -197,6 +197,9 @@ def test_scheduler_admits_by_priority_syncs_events_and_asks_the_autoscaler(harne
     c, fake = harness.client, harness.backend
     fake.total["CPU"] = 2.0  # room for one 2-rank job at a time
     h = harness.headers(harness.tenant_token("alice"))
+    limits = {"max_priority": 5}
+    r = c.put("/v1/tenants/alice/limits", json=limits, headers=harness.headers(harness.admin))
+    assert r.status_code == 200, r.text
     low = c.post("/v1/jobs", json={"spec": TINY, "priority": 0}, headers=h).json()
     high = c.post("/v1/jobs", json={"spec": TINY, "priority": 5}, headers=h).json()
     harness.tick()
@@ -277,6 +280,8 @@ def test_a_job_whose_supervisor_vanished_fails_with_that_reason(harness):
     c, fake = harness.client, harness.backend
     h = harness.headers(harness.tenant_token("alice"))
     job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    harness.tick()
+    fake.move(job["id"], "running", "training", step=1)
     harness.tick()
     del fake.jobs[job["id"]]
     harness.tick()

@@ -14,10 +14,20 @@ from pathlib import Path
 import pytest
 import uvicorn
 
+from tests.api.conftest import Harness
 from tests.api.test_routes import TINY
 from zeroservice.launch import free_port
 
 MAX_EXAMPLES = 15
+
+
+@pytest.fixture
+def harness(database_url, tmp_path):
+    """A service whose rate limit the fuzzing does not reach (it is tested elsewhere)."""
+    h = Harness(database_url, tmp_path / "data", rate_per_s=1e9, rate_burst=10**9)
+    yield h
+    h.client.close()
+    h.service.engine.dispose()
 
 
 @pytest.fixture
