@@ -30,7 +30,8 @@ class BodyLimit:
         await self.app(scope, self._replay(body, receive), send)
 
     async def _read(self, receive: Any) -> bytes | None:
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":

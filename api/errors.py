@@ -5,6 +5,7 @@ Retry-After, so that clients retry instead of giving up."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +23,20 @@ class Unavailable(Exception):
     def __init__(self, what: str, cause: BaseException | None = None):
         detail = f": {type(cause).__name__}" if cause is not None else ""
         super().__init__(f"{what} unavailable{detail}; retry later")
+
+
+class Rejected(Exception):
+    """A request refused for what it asks (not for its form): answered ``status`` with
+    ``detail`` (a message naming the field, or the numbers)."""
+
+    def __init__(self, status: int, detail: Any, headers: dict[str, str] | None = None):
+        super().__init__(str(detail))
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+def _rejected(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Rejected)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
 
 def _invalid(request: Request, exc: Exception) -> JSONResponse:
@@ -44,5 +59,6 @@ def _unavailable(request: Request, exc: Exception) -> JSONResponse:
 
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(Rejected, _rejected)
     for kind in (Unavailable, OperationalError, InterfaceError, PoolTimeout):
         app.add_exception_handler(kind, _unavailable)

@@ -38,7 +38,9 @@ def plan_job(
     cfg = spec.zero_config()
     res = spec.resources
     gpt = isinstance(spec.model, GPTModelSpec)
-    model: Any = spec.model.gpt_config() if gpt else count_parameters(spec)
+    model: Any = (
+        spec.model.gpt_config() if isinstance(spec.model, GPTModelSpec) else count_parameters(spec)
+    )
     p = plan(
         model,
         dp=res.lowest_dp,

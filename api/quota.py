@@ -12,11 +12,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from workers.spec import JobSpec
+from workers.state import ACTIVE, JobState
 
 from .auth import Principal
 from .backend import job_bundles
 from .db import Job, Tenant
-from .schemas import ACTIVE
 from .settings import Settings
 
 
@@ -83,7 +83,9 @@ def check_submission(
         if limit is not None and need > limit:
             raise OverLimit(422, f"resources: needs {need} {name}; this tenant's quota is {limit}")
     queued = session.execute(
-        select(func.count(Job.id)).where(Job.tenant_id == who.tenant_id, Job.status == "queued")
+        select(func.count(Job.id)).where(
+            Job.tenant_id == who.tenant_id, Job.status == JobState.QUEUED
+        )
     ).scalar_one()
     most = (
         tenant.max_queued_jobs if tenant.max_queued_jobs is not None else settings.max_queued_jobs

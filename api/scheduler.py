@@ -35,13 +35,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 
 from workers.spec import JobSpec
+from workers.state import ACTIVE, TERMINAL, JobState
 
 from . import lease, quota, store
 from .backend import Backend, job_bundles
 from .confine import checkpoint_base, checkpoint_path
 from .db import Job, utcnow
 from .metrics import ApiMetrics
-from .schemas import ACTIVE, TERMINAL
 from .settings import Settings
 
 LEASE = "scheduler"
@@ -129,14 +129,14 @@ class Scheduler:
     def _sync_job(self, session: Session, job: Job) -> None:
         seen_history = int((job.metrics or {}).get("history_seen", 0))
         snap = self.backend.poll(job.id, job.events_seen, job.logs_seen, seen_history)
-        if snap is None and job.status == "starting":
+        if snap is None and job.status == JobState.STARTING:
             self._launch(session, job, JobSpec.model_validate(job.spec))  # reconcile
             return
         if snap is None:
             store.set_status(
                 session,
                 job,
-                "failed",
+                JobState.FAILED,
                 "supervisor_lost",
                 "the job's supervisor is gone (the cluster restarted or lost its node)",
             )
@@ -170,7 +170,7 @@ class Scheduler:
         waiting: list[JobSpec] = []
         usage = quota.active_usage(session)
         reserved = False
-        for job in store.jobs_in(session, ("queued",)):
+        for job in store.jobs_in(session, (JobState.QUEUED,)):
             spec = JobSpec.model_validate(job.spec)
             if not quota.within_quota(session, job.tenant_id, spec, usage):
                 continue  # the tenant's own limit: it waits, others go on
@@ -193,7 +193,7 @@ class Scheduler:
             tenant = store.tenant_names(session, {job.tenant_id})[job.tenant_id]
             base = checkpoint_base(self.settings, tenant)
             job.checkpoint_path = checkpoint_path(base, job.id, spec.checkpoint.dir)
-        store.set_status(session, job, "starting", "admitted", "placing ranks on Ray")
+        store.set_status(session, job, JobState.STARTING, "admitted", "placing ranks on Ray")
         try:
             session.commit()
         except StaleDataError:
@@ -212,7 +212,7 @@ class Scheduler:
             log.warning("job %s: launch failed", job.id, exc_info=True)
             text = str(exc).splitlines()[0][:300] if str(exc) else ""
             store.set_status(
-                session, job, "failed", "launch_failed", f"{type(exc).__name__}: {text}"
+                session, job, JobState.FAILED, "launch_failed", f"{type(exc).__name__}: {text}"
             )
             session.commit()
             return False

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from workers.spec import JobSpec
+from workers.state import JobState
 
-Status = Literal["queued", "starting", "running", "resizing", "succeeded", "failed", "cancelled"]
-STATUSES: tuple[str, ...] = Status.__args__  # type: ignore[attr-defined]
-TERMINAL = ("succeeded", "failed", "cancelled")
-ACTIVE = ("starting", "running", "resizing")
-"""Statuses in which a job holds cluster resources."""
+STATUSES: tuple[str, ...] = tuple(JobState)
 
 
 class _Body(BaseModel):
@@ -33,7 +30,7 @@ class JobOut(BaseModel):
     id: str
     name: str
     tenant: str
-    status: Status
+    status: JobState
     reason: str
     message: str
     priority: int

@@ -12,10 +12,10 @@ import os
 
 import uvicorn
 
-from .app import Service, create_app
 from .backend import RayBackend
-from .server import TOKEN_FILE
-from .settings import Settings
+from .main import create_app
+from .service import Service
+from .settings import TOKEN_FILE, Settings
 
 log = logging.getLogger("zeroservice.api")
 

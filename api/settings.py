@@ -19,6 +19,10 @@ def _listed(value: str, sep: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in value.split(sep) if item.strip())
 
 
+TOKEN_FILE = "admin-token"
+"""Where the first start writes the admin token, in the data directory (mode 600)."""
+
+
 @dataclass
 class Settings:
     data_dir: Path = field(default_factory=_data_dir)

@@ -14,11 +14,14 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
+
+from workers.state import TERMINAL, JobState
 
 from .auth import Principal, hash_token, new_token
 from .confine import checkpoint_path
 from .db import ApiToken, Job, JobEvent, JobLog, Tenant, utcnow
-from .schemas import TERMINAL, JobOut
+from .schemas import JobOut
 
 
 class Conflict(Exception):
@@ -174,7 +177,7 @@ def submit(
         name=name,
         spec=spec,
         priority=priority,
-        status="queued",
+        status=JobState.QUEUED,
         reason="submitted",
         message="waiting for capacity",
         attempts=0,
@@ -281,12 +284,29 @@ def set_status(
         return
     now = utcnow()
     job.status, job.reason, job.message, job.updated_at = status, reason, message, now
-    if status == "running" and job.started_at is None:
+    if status == JobState.RUNNING and job.started_at is None:
         job.started_at = now
     if status in TERMINAL and job.finished_at is None:
         job.finished_at = now
     if record:
         add_event(session, job, "status", reason, f"{status}: {message}", {"status": status})
+
+
+def cancel_queued(session: Session, job: Job, message: str) -> None:
+    """Cancel a job still queued; Conflict when admission changed it meanwhile (the
+    write is checked against the version read)."""
+    set_status(session, job, JobState.CANCELLED, "cancelled", message)
+    try:
+        session.commit()
+    except StaleDataError:
+        session.rollback()
+        raise Conflict(f"job {job.id} changed meanwhile; retry") from None
+
+
+def record_cancel_request(session: Session, job: Job, tenant: str) -> None:
+    """A running job was asked to stop; its status follows from its supervisor."""
+    add_event(session, job, "request", "cancel", f"cancel requested by {tenant}")
+    session.commit()
 
 
 def _after(session: Session, table, job: Job, after: int, limit: int) -> list:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import Service, create_app
+from api.main import create_app
+from api.service import Service
 from api.settings import Settings
 from tests.api.fakes import FakeBackend
 from zeroservice.launch import free_port

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import uvicorn
 
-from api.app import Service, create_app
+from api.main import create_app
+from api.service import Service
 from api.settings import Settings
 from tests.api.fakes import FakeBackend
 

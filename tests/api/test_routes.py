@@ -290,7 +290,7 @@ def test_a_job_whose_supervisor_vanished_fails_with_that_reason(harness):
 
 
 def test_provisioned_admin_token_and_revocation(database_url, tmp_path):
-    from api.app import Service
+    from api.service import Service
 
     provisioned = "zs_provisioned-token-0123456789abcdef"
     h = Harness(database_url, tmp_path / "data")
@@ -301,7 +301,7 @@ def test_provisioned_admin_token_and_revocation(database_url, tmp_path):
     assert service.bootstrap_token is None  # ensured, not generated
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
+    from api.main import create_app
 
     client = TestClient(create_app(service))
     admin = {"Authorization": f"Bearer {provisioned}"}

@@ -38,7 +38,7 @@ def stack(tmp_path, stack_env):
 
     def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "api.cli", *args],
+            [sys.executable, "-m", "zscli.cli", *args],
             env=env,
             capture_output=True,
             text=True,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from api.server import processes_with, terminate
 from tests.e2e.conftest import free_port
+from zscli.server import processes_with, terminate
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +108,7 @@ from workers.cluster import use_loopback
 use_loopback({str(work / "home")!r})
 import ray
 ray.init(address={gcs!r}, namespace="zeroservice", log_to_driver=False)
-from api.app import Service
+from api.service import Service
 from api.backend import RayBackend
 from api.settings import Settings
 from api import store

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from .settings import Settings
+from api.settings import TOKEN_FILE, Settings
 
 STACK_FILE = "stack.json"
-TOKEN_FILE = "admin-token"
 
 
 def stack_path(settings: Settings) -> Path:
