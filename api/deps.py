@@ -3,6 +3,7 @@ caller (authenticated, rate-limited) and an admin caller, and a job the caller m
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Iterator
 from typing import Annotated
@@ -61,6 +62,19 @@ def get_admin(who: CurrentPrincipal) -> Principal:
 
 
 AdminPrincipal = Annotated[Principal, Depends(get_admin)]
+
+
+def get_targets_reader(request: Request, service: ServiceDep, db: SessionDep) -> Principal | None:
+    """The caller of the Prometheus discovery route: the read-only metrics token (None:
+    it sees every job's targets and can call nothing else) or any caller."""
+    token = bearer(request.headers.get("authorization"))
+    metrics = service.settings.metrics_token
+    if token and metrics and hmac.compare_digest(token.encode(), metrics.encode()):
+        return None
+    return get_principal(request, service, db)
+
+
+TargetsReader = Annotated[Principal | None, Depends(get_targets_reader)]
 
 JobId = Annotated[str, PathParam(min_length=1, max_length=64)]
 

@@ -72,6 +72,9 @@ class Settings:
     """Lifetime of tokens created through the API when the request names none."""
     max_body_bytes: int = 2**20
     """Largest request body accepted (413 above)."""
+    metrics_token: str | None = field(default=None, repr=False)
+    """A read-only token for Prometheus: it reads /v1/targets (every job's rank
+    endpoints) and nothing else; from a Secret or an env file."""
     admin_token: str | None = field(default=None, repr=False)
     """An admin token provisioned from outside (a Kubernetes Secret, compose): ensured
     to exist at start; without one, the first start creates a token and writes it to
@@ -104,6 +107,8 @@ class Settings:
             kwargs["max_cluster"] = json.loads(env["ZEROSERVICE_MAX_CLUSTER"])
         if "ZEROSERVICE_DEVICE_MEMORY_GIB" in env:
             kwargs["device_memory_gib"] = float(env["ZEROSERVICE_DEVICE_MEMORY_GIB"])
+        if env.get("ZEROSERVICE_METRICS_TOKEN"):
+            kwargs["metrics_token"] = env["ZEROSERVICE_METRICS_TOKEN"]
         if env.get("ZEROSERVICE_ADMIN_TOKEN"):
             kwargs["admin_token"] = env["ZEROSERVICE_ADMIN_TOKEN"]
         if "ZEROSERVICE_SCHEDULER_INTERVAL_S" in env:

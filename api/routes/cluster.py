@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from workers.state import ACTIVE
 
 from .. import store
-from ..deps import CurrentPrincipal, ServiceDep, SessionDep
+from ..deps import CurrentPrincipal, ServiceDep, SessionDep, TargetsReader
 from ..schemas import ClusterOut
 
 router = APIRouter(prefix="/v1", tags=["cluster"])
@@ -22,11 +22,11 @@ def cluster(service: ServiceDep, who: CurrentPrincipal) -> ClusterOut:
 
 
 @router.get("/targets")
-def targets(service: ServiceDep, db: SessionDep, who: CurrentPrincipal) -> list[dict[str, Any]]:
+def targets(service: ServiceDep, db: SessionDep, who: TargetsReader) -> list[dict[str, Any]]:
     """Prometheus HTTP service discovery: every active rank's metrics endpoint (of the
-    caller's jobs; an admin's: all)."""
+    caller's jobs; the metrics token's and an admin's: all)."""
     found: list[dict[str, Any]] = []
     for job in store.jobs_in(db, ACTIVE):
-        if who.admin or job.tenant_id == who.tenant_id:
+        if who is None or who.admin or job.tenant_id == who.tenant_id:
             found += (service.live_snapshot(job.id) or {}).get("targets", [])
     return found

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import update
 
 from api.db import ApiToken
+from tests.api.test_routes import TINY as _TINY
 
 
 def _make(harness, tenant: str, **body) -> dict:
@@ -88,3 +89,30 @@ def test_a_prefix_with_wildcards_revokes_only_literally(harness):
     )
     assert r.json() == {"revoked": 1}
     assert [_works(harness, m["token"]) for m in made] == [False, True, True]
+
+
+def test_the_metrics_token_reads_the_targets_and_nothing_else(database_url, tmp_path):
+    from tests.api.conftest import Harness
+
+    metrics = "zs_metrics-read-only-0123456789abcdef"
+    h = Harness(database_url, tmp_path / "data", metrics_token=metrics)
+    try:
+        alice = h.headers(h.tenant_token("alice"))
+        job = h.client.post("/v1/jobs", json={"spec": _TINY}, headers=alice).json()["id"]
+        h.tick()
+        h.backend.jobs[job]["targets"] = [{"targets": ["10.0.0.7:9000"], "labels": {}}]
+        reader = h.headers(metrics)
+        r = h.client.get("/v1/targets", headers=reader)
+        assert r.status_code == 200 and r.json()[0]["targets"] == ["10.0.0.7:9000"]
+        for method, path in [
+            ("GET", "/v1/jobs"),
+            ("GET", f"/v1/jobs/{job}"),
+            ("POST", f"/v1/jobs/{job}/cancel"),
+            ("GET", "/v1/cluster"),
+            ("GET", "/v1/tokens"),
+        ]:
+            assert h.client.request(method, path, headers=reader).status_code == 401, path
+        assert h.client.get("/v1/targets", headers=h.headers("zs_wrong")).status_code == 401
+    finally:
+        h.client.close()
+        h.service.engine.dispose()
