@@ -112,6 +112,7 @@ from api.service import Service
 from api.backend import RayBackend
 from api.settings import Settings
 from api import store
+from api.confine import checkpoint_base
 from workers.spec import JobSpec
 settings = Settings(data_dir={str(tmp_path / "data")!r}, max_cluster={{"CPU": 4.0}})
 service = Service(settings, RayBackend(), start_scheduler=False)
@@ -123,7 +124,8 @@ spec = JobSpec.model_validate({{
     "timeouts": {{"bootstrap_s": 120, "step_s": 120}}}})
 with service.sessions() as s:
     admin = store.authenticate(s, service.bootstrap_token)
-    job = store.submit(s, admin, spec.model_dump(mode="json"), "scaled", None, 0).job
+    base = checkpoint_base(settings, admin.tenant)
+    job = store.submit(s, admin, spec.model_dump(mode="json"), "scaled", None, 0, base).job
 log = {{"cpus": [], "requests": []}}
 def tick():
     service.scheduler.tick()
