@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from workers.spec import JobSpec
+from workers.spec import JobSpec, ResourcesSpec
 from workers.state import ACTIVE, JobState
 
 from .auth import Principal
@@ -39,10 +39,10 @@ def ranks_of(spec: JobSpec) -> int:
     return spec.resources.lowest_dp * spec.resources.mp
 
 
-def count_usage(usage: dict[int, Usage], tenant_id: int, spec: JobSpec) -> None:
-    ranks = ranks_of(spec)
+def count_usage(usage: dict[int, Usage], tenant_id: int, res: ResourcesSpec) -> None:
+    ranks = res.lowest_dp * res.mp
     usage[tenant_id].ranks += ranks
-    usage[tenant_id].gpus += ranks * spec.resources.gpus_per_rank
+    usage[tenant_id].gpus += ranks * res.gpus_per_rank
 
 
 def active_usage(session: Session) -> dict[int, Usage]:
@@ -51,7 +51,7 @@ def active_usage(session: Session) -> dict[int, Usage]:
     for tenant_id, spec in session.execute(
         select(Job.tenant_id, Job.spec).where(Job.status.in_(ACTIVE))
     ).tuples():
-        count_usage(usage, tenant_id, JobSpec.model_validate(spec))
+        count_usage(usage, tenant_id, ResourcesSpec.model_validate(spec.get("resources", {})))
     return usage
 
 

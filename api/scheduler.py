@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -171,7 +172,9 @@ class Scheduler:
         usage = quota.active_usage(session)
         reserved = False
         for job in store.jobs_in(session, (JobState.QUEUED,)):
-            spec = JobSpec.model_validate(job.spec)
+            spec = self._stored_spec(session, job)
+            if spec is None:
+                continue
             if not quota.within_quota(session, job.tenant_id, spec, usage):
                 continue  # the tenant's own limit: it waits, others go on
             if reserved or not self.backend.fits(spec):
@@ -179,8 +182,22 @@ class Scheduler:
                 waiting.append(spec)
                 continue
             if self._admit(session, job, spec):
-                quota.count_usage(usage, job.tenant_id, spec)
+                quota.count_usage(usage, job.tenant_id, spec.resources)
         return waiting
+
+    def _stored_spec(self, session: Session, job: Job) -> JobSpec | None:
+        """The job's spec, or None after failing the job when the stored spec no longer
+        validates (stored by an older version): it must not stop admission."""
+        try:
+            return JobSpec.model_validate(job.spec)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            store.set_status(
+                session, job, JobState.FAILED, "invalid_spec", f"{where}: {first['msg']}"
+            )
+            session.commit()
+            return None
 
     def _overdue(self, job: Job) -> bool:
         waited = (utcnow() - job.created_at).total_seconds()

@@ -160,3 +160,17 @@ def test_a_poll_that_times_out_leaves_the_job_alone(harness):
     harness.backend.move(job_id, "running", "training", step=5)
     harness.tick()
     assert _status(harness, job_id, h)["step"] == 5
+
+
+def test_a_stored_spec_that_no_longer_validates_fails_its_job_alone(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    old, fine = _submit(harness, h), _submit(harness, h)
+    with harness.service.sessions() as s:  # as an older version stored it
+        job = s.get(Job, old)
+        job.spec = {**job.spec, "checkpoint": {"dir": "/etc/passwd/x"}}
+        s.commit()
+    harness.tick()
+    got = _status(harness, old, h)
+    assert got["status"] == "failed" and got["reason"] == "invalid_spec"
+    assert got["message"].startswith("checkpoint.dir:")
+    assert _status(harness, fine, h)["status"] == "starting"
