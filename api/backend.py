@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 from workers.spec import JobSpec
 
+from .cluster_link import ClusterLink
+
 
 @dataclass
 class Capacity:
@@ -27,8 +29,16 @@ class Backend(Protocol):
 
     def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None: ...
 
-    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
-        """The supervisor's status, new events and log lines, metrics; None if it is gone."""
+    def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
+        """The model's trainable parameters, counted on a worker (never in this process);
+        workers.model_size.ModelNotBuildable when it cannot be built within the bounds."""
+        ...
+
+    def poll(
+        self, job_id: str, events_since: int, logs_since: int, history_since: int
+    ) -> dict[str, Any] | None:
+        """The supervisor's status, new events, log lines and history chunks (after the
+        positions given), metrics; None if it is gone."""
         ...
 
     def cancel(self, job_id: str, reason: str) -> None: ...
@@ -46,12 +56,19 @@ def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
 
 
 class RayBackend:
-    """Drives workers.jobs on the Ray cluster this process is connected to."""
+    """Drives workers.jobs on the Ray cluster this process is connected to; with a
+    ``link``, every call first makes sure the cluster answers (api/cluster_link.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, link: ClusterLink | None = None) -> None:
         self.requested: list[dict[str, float]] = []
+        self.link = link
+
+    def _ensure(self) -> None:
+        if self.link is not None:
+            self.link.ensure()
 
     def capacity(self) -> Capacity:
+        self._ensure()
         import ray
 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -63,18 +80,30 @@ class RayBackend:
         )
 
     def fits(self, spec: JobSpec) -> bool:
+        self._ensure()
         from workers.placement import replicas_available
 
         return replicas_available(spec.resources) >= spec.resources.lowest_dp
 
     def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+        self._ensure()
         from workers.jobs import launch
 
         Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
         launch(job_id, spec, checkpoint_root)
 
-    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
+    def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
+        self._ensure()
+        from workers.model_size import count_on_worker
+
+        return count_on_worker(spec, timeout_s, memory_bytes)
+
+    def poll(
+        self, job_id: str, events_since: int, logs_since: int, history_since: int
+    ) -> dict[str, Any] | None:
+        self._ensure()
         import ray
+        from ray.exceptions import RayActorError
 
         from workers.jobs import attach
 
@@ -82,11 +111,13 @@ class RayBackend:
         if handle is None:
             return None
         try:
-            return ray.get(handle.poll.remote(events_since, logs_since), timeout=30)
-        except Exception:
-            return None
+            return ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
+        except RayActorError:
+            return None  # it died between the lookup and the call
+        # A timeout raises: the supervisor is slow, not gone; the job is left as it is.
 
     def cancel(self, job_id: str, reason: str) -> None:
+        self._ensure()
         import ray
 
         from workers.jobs import attach
@@ -97,6 +128,7 @@ class RayBackend:
 
     def forget(self, job_id: str) -> None:
         """Remove a finished job's supervisor (its state is in the store by now)."""
+        self._ensure()
         import ray
 
         from workers.jobs import attach
@@ -106,6 +138,7 @@ class RayBackend:
             ray.kill(handle, no_restart=True)
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        self._ensure()
         from ray.autoscaler.sdk import request_resources
 
         if bundles == self.requested:

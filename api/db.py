@@ -59,6 +59,14 @@ class Tenant(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    max_priority: Mapped[int] = mapped_column(Integer, default=0)
+    """The highest priority the tenant's jobs may ask for (set by an admin)."""
+    max_ranks: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Ranks the tenant's active jobs may hold together; None: no limit."""
+    max_gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """GPUs the tenant's active jobs may hold together; None: no limit."""
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Jobs the tenant may have queued; None: the service's default."""
 
 
 class ApiToken(Base):
@@ -73,6 +81,18 @@ class ApiToken(Base):
     name: Mapped[str] = mapped_column(String(128), default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    """None: never (the provisioned and first admin tokens, rotated by the operator)."""
+
+
+class Lease(Base):
+    """A named lease one process holds until ``expires_at`` unless it renews it: the
+    scheduler's, so that among several API replicas one schedules at a time."""
+
+    __tablename__ = "leases"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 class Job(Base):
@@ -102,6 +122,10 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    """Bumped by every write; a write from a stale read fails (StaleDataError)."""
+
+    __mapper_args__ = {"version_id_col": version}
 
 
 class JobEvent(Base):
@@ -123,9 +147,19 @@ class JobLog(Base):
     line: Mapped[str] = mapped_column(Text)
 
 
+CONNECT_TIMEOUT_S = 5
+"""A store that does not accept a connection within this is reported unavailable (503)."""
+STATEMENT_TIMEOUT_S = 30
+"""No statement runs longer (PostgreSQL's statement_timeout; SQLite's lock wait)."""
+
+
 def make_engine(url: str) -> Engine:
+    """The store's engine, with connect and statement timeouts: a store that hangs
+    turns into an error the routes answer with 503, never into a hung request."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": STATEMENT_TIMEOUT_S}
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record) -> None:
@@ -135,7 +169,15 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_timeout=CONNECT_TIMEOUT_S,
+        connect_args={
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "options": f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000}",
+        },
+    )
 
 
 def session_factory(engine: Engine) -> sessionmaker:

@@ -9,9 +9,10 @@ the service's setting for GPU ranks or CPU ranks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
-from workers.spec import FactoryModelSpec, GPTModelSpec, JobSpec, TransformersModelSpec
+from workers.spec import GPTModelSpec, JobSpec
 
 GIB = 2**30
 
@@ -22,51 +23,24 @@ class PlanRefused(Exception):
         self.detail = detail
 
 
-def _param_count(spec: JobSpec) -> int | None:
-    """Trainable parameters of a non-GPT model, counted on the meta device (no memory)."""
-    import torch
-
-    model_spec = spec.model
-    try:
-        if isinstance(model_spec, TransformersModelSpec):
-            import transformers
-
-            cls = getattr(transformers, model_spec.architecture)
-            with torch.device("meta"):
-                model = cls(cls.config_class(**model_spec.config))
-        elif isinstance(model_spec, FactoryModelSpec):
-            import zeroservice
-            from workers.build import build_model
-
-            with zeroservice.deferred_init():
-                model, _ = build_model(spec, None)
-        else:
-            return None
-    except Exception:
-        return None  # not importable here; the workers will say so
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 def plan_job(
     spec: JobSpec,
     settings,
+    count_parameters: Callable[[JobSpec], int],
     device_memory_gib: float | None = None,
     refuse: bool = True,
 ) -> dict[str, Any]:
+    """The plan; the size of a model other than the reference GPT comes from
+    ``count_parameters`` (run on a worker: the control plane never builds one), and
+    its activations, unknown from a count alone, are left out."""
     from zeroservice.planner import plan
 
     cfg = spec.zero_config()
     res = spec.resources
-    if isinstance(spec.model, GPTModelSpec):
-        model: Any = spec.model.gpt_config()
-    else:
-        model = _param_count(spec)
-        if model is None:
-            return {
-                "fits": None,
-                "message": "model not buildable here: no plan",
-                "dp": res.lowest_dp,
-            }
+    gpt = isinstance(spec.model, GPTModelSpec)
+    model: Any = (
+        spec.model.gpt_config() if isinstance(spec.model, GPTModelSpec) else count_parameters(spec)
+    )
     p = plan(
         model,
         dp=res.lowest_dp,
@@ -78,7 +52,7 @@ def plan_job(
         partition_activations=cfg.partition_activations,
         cpu_offload_activations=cfg.cpu_offload_activations,
         seq_len=spec.model.seq_len,
-        micro_batch=spec.micro_batch,
+        micro_batch=spec.micro_batch if gpt else None,
         bucket_elements=cfg.bucket_elements,
     )
     gib = device_memory_gib or (
@@ -92,6 +66,7 @@ def plan_job(
         f"needs {needed / GIB:.2f} GiB per rank at dp {res.lowest_dp} × mp {res.mp}, "
         f"stage {cfg.stage}, {cfg.precision}; {gib:g} GiB available per "
         f"{'GPU' if res.gpus_per_rank else 'CPU'} rank"
+        + ("" if gpt else " (model states only: activations not estimated)")
     )
     result = {
         "fits": fits,

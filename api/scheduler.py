@@ -4,14 +4,23 @@ when they fit, and tell the autoscaler what the queue needs.
 [Note: scheduling]
 Each tick, in one session:
 
+0. Lease: among API replicas sharing a store, only the holder of the ``scheduler``
+   lease (api/lease.py) goes on; the others wait for it to lapse.
 1. Sync: every job the store thinks active (starting, running, resizing) is polled
    through its supervisor (found by name, so a restarted control plane reattaches to
    the jobs it left running); new events and log lines are copied into the store,
-   status, step, dp, restarts and the last per-rank stats are updated. A job whose
-   supervisor is gone is failed with that reason.
-2. Admit: queued jobs in order of priority, then age. The first that does not fit
-   the free capacity (its smallest size: min_dp replicas) stops admission, so a large
-   job is not starved by smaller ones behind it.
+   status, step, dp, restarts and the last per-rank stats are updated, each job in
+   a transaction of its own. A running job whose supervisor is gone is failed with
+   that reason; a starting one is launched again (launching is idempotent: the
+   control plane may have stopped between marking it starting and launching it). A
+   poll that fails (a timeout) leaves the job as it is until the next tick.
+2. Admit: queued jobs in order of priority, then age. A job beyond its tenant's
+   quota (ranks, GPUs) waits without holding anyone up. A job that does not fit the
+   free capacity (its smallest size: min_dp replicas) lets smaller ones behind it
+   start (backfill) until it has waited ``backfill_grace_s``; from then on it holds
+   the queue: nothing behind it starts, so the capacity that frees up is its own.
+   An admitted job is first committed as starting (version-checked: a concurrent
+   cancel wins), then launched; a launch that fails fails that job alone.
 3. Autoscale: the bundles of the jobs still queued are requested from Ray's
    autoscaler (``request_resources``), bounded by the configured cluster maximum; an
    empty queue withdraws the request, so idle nodes can be released.
@@ -21,20 +30,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
 
 from workers.spec import JobSpec
+from workers.state import ACTIVE, TERMINAL, JobState
 
-from . import store
+from . import lease, quota, store
 from .backend import Backend, job_bundles
-from .db import Job, JobEvent, JobLog, utcnow
+from .confine import checkpoint_base, checkpoint_path
+from .db import Job, utcnow
 from .metrics import ApiMetrics
-from .schemas import TERMINAL
 from .settings import Settings
 
-ACTIVE = ("starting", "running", "resizing")
+LEASE = "scheduler"
 log = logging.getLogger("zeroservice.scheduler")
 
 
@@ -55,6 +66,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self.ticks = 0
         self.last_error: str | None = None
+        self.holder = lease.new_holder()
+        self.leader = False
+        """Whether this replica held the scheduler's lease at its last tick."""
 
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -67,6 +81,10 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.leader:
+            with self.sessions() as session:
+                lease.release(session, LEASE, self.holder)
+            self.leader = False
 
     @property
     def alive(self) -> bool:
@@ -82,53 +100,62 @@ class Scheduler:
                 log.exception("scheduler tick failed")
             self._stop.wait(self.settings.scheduler_interval_s)
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """One round; False, doing nothing, while another replica holds the lease."""
         with self._lock, self.sessions() as session:
+            ttl = self.settings.scheduler_lease_s
+            self.leader = lease.acquire(session, LEASE, self.holder, ttl)
+            if not self.leader:
+                return False
             self.sync(session)
             waiting = self.admit(session)
             self.autoscale(waiting)
             self.ticks += 1
+            return True
 
     # -- 1. sync ----------------------------------------------------------------------
     def sync(self, session: Session, only: str | None = None) -> None:
         for job in store.jobs_in(session, ACTIVE):
             if only is not None and job.id != only:
                 continue
-            self._sync_job(session, job)
-        session.commit()
+            try:
+                self._sync_job(session, job)
+                session.commit()
+            except StaleDataError:  # changed meanwhile (a cancel): read again next tick
+                session.rollback()
+            except Exception as exc:  # the supervisor did not answer: untouched this tick
+                session.rollback()
+                log.warning("job %s: poll failed: %s", job.id, type(exc).__name__)
 
     def _sync_job(self, session: Session, job: Job) -> None:
-        snap = self.backend.poll(job.id, job.events_seen, job.logs_seen)
+        seen_history = int((job.metrics or {}).get("history_seen", 0))
+        snap = self.backend.poll(job.id, job.events_seen, job.logs_seen, seen_history)
+        if snap is None and job.status == JobState.STARTING:
+            self._launch(session, job, JobSpec.model_validate(job.spec))  # reconcile
+            return
         if snap is None:
             store.set_status(
                 session,
                 job,
-                "failed",
+                JobState.FAILED,
                 "supervisor_lost",
                 "the job's supervisor is gone (the cluster restarted or lost its node)",
             )
             return
-        for event in snap["events"]:
-            data = {k: v for k, v in event.items() if k not in ("kind", "reason", "message")}
-            session.add(
-                JobEvent(
-                    job_id=job.id,
-                    time=utcnow(),
-                    kind=event["kind"],
-                    reason=event["reason"],
-                    message=event["message"],
-                    data=data,
-                )
-            )
-        for line in snap["logs"]:
-            session.add(JobLog(job_id=job.id, time=utcnow(), line=line))
-        job.events_seen += len(snap["events"])
-        job.logs_seen += len(snap["logs"])
+        limits = self.settings
+        store.add_events(session, job, snap["events"], limits.max_events_per_job)
+        store.add_log_lines(session, job, snap["logs"], limits.max_log_lines_per_job)
+        store.add_metrics(
+            session,
+            job,
+            snap.get("metrics") or {},
+            snap.get("history", []),
+            int(snap.get("history_total", seen_history + len(snap.get("history", [])))),
+            limits.max_history_per_job,
+        )
         st = snap["status"]
         job.attempts, job.current_dp, job.step = st["restarts"], st["dp"], st["step"]
         job.checkpoint_path = st.get("checkpoint_root", job.checkpoint_path)
-        if snap.get("metrics"):
-            job.metrics = {"ranks": snap["metrics"], "history": snap.get("history", [])}
         job.updated_at = utcnow()
         store.set_status(session, job, st["status"], st["reason"], st["message"], record=False)
         if job.status in TERMINAL:
@@ -138,23 +165,75 @@ class Scheduler:
 
     # -- 2. admit ---------------------------------------------------------------------
     def admit(self, session: Session) -> list[JobSpec]:
-        """Admit what fits, in order; returns the specs still waiting."""
+        """Admit what fits, in order, backfilling past jobs that do not fit until one
+        has waited ``backfill_grace_s`` (it then holds the queue: see [Note:
+        scheduling]); returns the specs still waiting."""
         waiting: list[JobSpec] = []
-        blocked = False
-        for job in store.jobs_in(session, ("queued",)):
-            spec = JobSpec.model_validate(job.spec)
-            if blocked or not self.backend.fits(spec):
-                blocked = True
+        usage = quota.active_usage(session)
+        reserved = False
+        for job in store.jobs_in(session, (JobState.QUEUED,)):
+            spec = self._stored_spec(session, job)
+            if spec is None:
+                continue
+            if not quota.within_quota(session, job.tenant_id, spec, usage):
+                continue  # the tenant's own limit: it waits, others go on
+            if reserved or not self.backend.fits(spec):
+                reserved = reserved or self._overdue(job)
                 waiting.append(spec)
                 continue
-            root = spec.checkpoint.dir or str(Path(self.settings.checkpoint_root) / job.id)
-            job.checkpoint_path = root
-            self.backend.launch(job.id, spec, root)
-            store.set_status(session, job, "starting", "admitted", "placing ranks on Ray")
-            if self.metrics is not None:
-                self.metrics.queue_wait.observe((utcnow() - job.created_at).total_seconds())
-            session.commit()
+            if self._admit(session, job, spec):
+                quota.count_usage(usage, job.tenant_id, spec.resources)
         return waiting
+
+    def _stored_spec(self, session: Session, job: Job) -> JobSpec | None:
+        """The job's spec, or None after failing the job when the stored spec no longer
+        validates (stored by an older version): it must not stop admission."""
+        try:
+            return JobSpec.model_validate(job.spec)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            store.set_status(
+                session, job, JobState.FAILED, "invalid_spec", f"{where}: {first['msg']}"
+            )
+            session.commit()
+            return None
+
+    def _overdue(self, job: Job) -> bool:
+        waited = (utcnow() - job.created_at).total_seconds()
+        return waited >= self.settings.backfill_grace_s
+
+    def _admit(self, session: Session, job: Job, spec: JobSpec) -> bool:
+        """Mark the job starting (committed, version-checked: a concurrent cancel
+        wins), then launch it."""
+        if not job.checkpoint_path:  # queued before checkpoints were placed at submit
+            tenant = store.tenant_names(session, {job.tenant_id})[job.tenant_id]
+            base = checkpoint_base(self.settings, tenant)
+            job.checkpoint_path = checkpoint_path(base, job.id, spec.checkpoint.dir)
+        store.set_status(session, job, JobState.STARTING, "admitted", "placing ranks on Ray")
+        try:
+            session.commit()
+        except StaleDataError:
+            session.rollback()
+            return False
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe((utcnow() - job.created_at).total_seconds())
+        return self._launch(session, job, spec)
+
+    def _launch(self, session: Session, job: Job, spec: JobSpec) -> bool:
+        """Start (or find: launching is idempotent) the job's supervisor; a job that
+        cannot launch fails with the reason, and admission goes on."""
+        try:
+            self.backend.launch(job.id, spec, job.checkpoint_path)
+        except Exception as exc:
+            log.warning("job %s: launch failed", job.id, exc_info=True)
+            text = str(exc).splitlines()[0][:300] if str(exc) else ""
+            store.set_status(
+                session, job, JobState.FAILED, "launch_failed", f"{type(exc).__name__}: {text}"
+            )
+            session.commit()
+            return False
+        return True
 
     # -- 3. autoscale -----------------------------------------------------------------
     def autoscale(self, waiting: list[JobSpec]) -> None:

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from workers.spec import JobSpec
+from workers.state import JobState
 
-Status = Literal["queued", "starting", "running", "resizing", "succeeded", "failed", "cancelled"]
-STATUSES: tuple[str, ...] = Status.__args__  # type: ignore[attr-defined]
-TERMINAL = ("succeeded", "failed", "cancelled")
+STATUSES: tuple[str, ...] = tuple(JobState)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class JobSubmit(_Body):
@@ -31,7 +30,7 @@ class JobOut(BaseModel):
     id: str
     name: str
     tenant: str
-    status: Status
+    status: JobState
     reason: str
     message: str
     priority: int
@@ -98,21 +97,48 @@ class PlanRequest(_Body):
 
 
 class TenantCreate(_Body):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[\w.\-]+$")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+    """Letters, digits, ``_ . -``, not starting with a dot (it names the tenant's
+    checkpoint and data directories)."""
+
+
+class TenantLimits(_Body):
+    """What an admin allows a tenant (see docs/operations.md, "Quotas")."""
+
+    max_priority: int = Field(0, ge=-100, le=100)
+    """The highest priority its jobs may ask for."""
+    max_ranks: int | None = Field(None, ge=1, le=1_000_000)
+    """Ranks its active jobs may hold together (None: no limit)."""
+    max_gpus: int | None = Field(None, ge=0, le=1_000_000)
+    """GPUs its active jobs may hold together (None: no limit)."""
+    max_queued_jobs: int | None = Field(None, ge=0, le=1_000_000)
+    """Jobs it may have queued (None: the service's default)."""
 
 
 class TokenCreate(_Body):
     tenant: str = Field(min_length=1, max_length=128)
     admin: bool = False
     name: str = Field("", max_length=128)
+    expires_in_days: int | None = Field(None, ge=1, le=3650)
+    """Lifetime of the token (default: the service's ZEROSERVICE_TOKEN_TTL_DAYS)."""
 
 
-class TokenOut(BaseModel):
-    token: str
-    """Shown once; only its digest is stored."""
+class TokenInfo(BaseModel):
+    """A token as listed: never the token itself."""
+
+    id: int
     tenant: str
     admin: bool
+    name: str
     prefix: str
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenOut(TokenInfo):
+    token: str
+    """Shown once; only its digest is stored."""
 
 
 class TokenRevoke(_Body):

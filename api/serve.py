@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import uvicorn
 
-from .app import Service, create_app
 from .backend import RayBackend
-from .server import TOKEN_FILE
-from .settings import Settings
+from .cluster_link import ClusterLink
+from .main import create_app
+from .service import Service
+from .settings import TOKEN_FILE, Settings
 
 log = logging.getLogger("zeroservice.api")
 
@@ -37,6 +39,15 @@ def connect_ray(settings: Settings) -> None:
     ray.init(address=settings.ray_address, namespace="zeroservice", log_to_driver=False)
 
 
+def restart() -> None:
+    """Replace this process by a fresh API process (same pid and arguments): the way to
+    join a Ray cluster whose head came back (see api/cluster_link.py). Requests in
+    flight are dropped; the scheduler's lease lapses and is taken again."""
+    log.warning("the Ray cluster is back: restarting the API to join it")
+    logging.shutdown()
+    os.execv(sys.executable, [sys.executable, "-m", "api.serve"])
+
+
 def write_token(settings: Settings, token: str) -> str:
     path = settings.data_dir / TOKEN_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -48,8 +59,10 @@ def write_token(settings: Settings, token: str) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = Settings.from_env()
+    # Ray would end this process a minute after losing its cluster; the link rejoins.
+    os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(10**7))
     connect_ray(settings)
-    service = Service(settings, RayBackend())
+    service = Service(settings, RayBackend(ClusterLink(settings.ray_address, restart)))
     if service.bootstrap_token is not None:
         where = write_token(settings, service.bootstrap_token)
         log.info("admin token written to %s (shown nowhere else)", where)

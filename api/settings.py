@@ -15,6 +15,14 @@ def _data_dir() -> Path:
     return Path(base) / "zeroservice"
 
 
+def _listed(value: str, sep: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(sep) if item.strip())
+
+
+TOKEN_FILE = "admin-token"
+"""Where the first start writes the admin token, in the data directory (mode 600)."""
+
+
 @dataclass
 class Settings:
     data_dir: Path = field(default_factory=_data_dir)
@@ -27,12 +35,46 @@ class Settings:
     checkpoint_root: str = ""
     """Where jobs keep checkpoints (default: <data_dir>/checkpoints/<job id>)."""
     scheduler_interval_s: float = 1.0
+    backfill_grace_s: float = 600.0
+    """A queued job that does not fit lets smaller ones pass for this long, then holds
+    the queue until it starts."""
+    max_queued_jobs: int = 100
+    """Queued jobs per tenant unless an admin set the tenant's own limit."""
+    rate_per_s: float = 20.0
+    """Requests per second per token (sustained), answered 429 beyond."""
+    rate_burst: int = 40
+    """Requests a token may make at once before the rate applies."""
+    scheduler_lease_s: float = 15.0
+    """A replica that has not ticked for this long loses the scheduler to another."""
     max_cluster: dict[str, float] = field(default_factory=lambda: {"CPU": 64.0, "GPU": 8.0})
     """Upper bound of what the autoscaler is asked for, in total."""
     device_memory_gib: float = 80.0
     """Memory per GPU rank that submitted jobs' memory plans are checked against."""
     cpu_rank_memory_gib: float = 16.0
     """Memory per CPU rank for the same check."""
+    model_factories: tuple[str, ...] = ()
+    """Module prefixes whose ``module:function`` tenants may name as a factory model
+    (``*``: any); empty: factory models are refused. See docs/operations.md."""
+    data_roots: tuple[str, ...] = ()
+    """Directories a tenant's ``data.path`` must resolve under (``{tenant}`` is replaced
+    by the tenant's name); default: ``<data_dir>/data/{tenant}``."""
+    plan_timeout_s: float = 120.0
+    """How long building a factory or transformers model for its plan may take."""
+    plan_memory_gib: float = 4.0
+    """How much memory that build may take on its worker."""
+    max_events_per_job: int = 10_000
+    """Events kept per job (the newest; older ones are deleted)."""
+    max_log_lines_per_job: int = 10_000
+    """Log lines kept per job (the newest)."""
+    max_history_per_job: int = 1_000
+    """Chunks of the per-chunk history kept per job (the newest)."""
+    token_ttl_days: int = 90
+    """Lifetime of tokens created through the API when the request names none."""
+    max_body_bytes: int = 2**20
+    """Largest request body accepted (413 above)."""
+    metrics_token: str | None = field(default=None, repr=False)
+    """A read-only token for Prometheus: it reads /v1/targets (every job's rank
+    endpoints) and nothing else; from a Secret or an env file."""
     admin_token: str | None = field(default=None, repr=False)
     """An admin token provisioned from outside (a Kubernetes Secret, compose): ensured
     to exist at start; without one, the first start creates a token and writes it to
@@ -44,6 +86,8 @@ class Settings:
             self.database_url = f"sqlite:///{self.data_dir / 'zeroservice.db'}"
         if not self.checkpoint_root:
             self.checkpoint_root = str(self.data_dir / "checkpoints")
+        if not self.data_roots:
+            self.data_roots = (str(self.data_dir / "data" / "{tenant}"),)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -63,8 +107,38 @@ class Settings:
             kwargs["max_cluster"] = json.loads(env["ZEROSERVICE_MAX_CLUSTER"])
         if "ZEROSERVICE_DEVICE_MEMORY_GIB" in env:
             kwargs["device_memory_gib"] = float(env["ZEROSERVICE_DEVICE_MEMORY_GIB"])
+        if env.get("ZEROSERVICE_METRICS_TOKEN"):
+            kwargs["metrics_token"] = env["ZEROSERVICE_METRICS_TOKEN"]
         if env.get("ZEROSERVICE_ADMIN_TOKEN"):
             kwargs["admin_token"] = env["ZEROSERVICE_ADMIN_TOKEN"]
+        if "ZEROSERVICE_SCHEDULER_INTERVAL_S" in env:
+            kwargs["scheduler_interval_s"] = float(env["ZEROSERVICE_SCHEDULER_INTERVAL_S"])
+        if "ZEROSERVICE_SCHEDULER_LEASE_S" in env:
+            kwargs["scheduler_lease_s"] = float(env["ZEROSERVICE_SCHEDULER_LEASE_S"])
+        if "ZEROSERVICE_MODEL_FACTORIES" in env:
+            kwargs["model_factories"] = _listed(env["ZEROSERVICE_MODEL_FACTORIES"], ",")
+        if "ZEROSERVICE_DATA_ROOTS" in env:
+            kwargs["data_roots"] = _listed(env["ZEROSERVICE_DATA_ROOTS"], os.pathsep)
+        if "ZEROSERVICE_PLAN_TIMEOUT_S" in env:
+            kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
+        if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:
+            kwargs["plan_memory_gib"] = float(env["ZEROSERVICE_PLAN_MEMORY_GIB"])
+        for name in ("backfill_grace_s", "rate_per_s"):
+            if f"ZEROSERVICE_{name.upper()}" in env:
+                kwargs[name] = float(env[f"ZEROSERVICE_{name.upper()}"])
+        for name in (
+            "max_events_per_job",
+            "max_log_lines_per_job",
+            "max_history_per_job",
+            "max_queued_jobs",
+            "rate_burst",
+        ):
+            if f"ZEROSERVICE_{name.upper()}" in env:
+                kwargs[name] = int(env[f"ZEROSERVICE_{name.upper()}"])
+        if "ZEROSERVICE_TOKEN_TTL_DAYS" in env:
+            kwargs["token_ttl_days"] = int(env["ZEROSERVICE_TOKEN_TTL_DAYS"])
+        if "ZEROSERVICE_MAX_BODY_BYTES" in env:
+            kwargs["max_body_bytes"] = int(env["ZEROSERVICE_MAX_BODY_BYTES"])
         if "ZEROSERVICE_CPU_RANK_MEMORY_GIB" in env:
             kwargs["cpu_rank_memory_gib"] = float(env["ZEROSERVICE_CPU_RANK_MEMORY_GIB"])
         return cls(**kwargs)

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
+
+from workers.state import TERMINAL, JobState
 
 from .auth import Principal, hash_token, new_token
+from .confine import checkpoint_path
 from .db import ApiToken, Job, JobEvent, JobLog, Tenant, utcnow
-from .schemas import TERMINAL, JobOut
+from .schemas import JobOut
 
 
 class Conflict(Exception):
@@ -28,6 +33,7 @@ def authenticate(session: Session, token: str) -> Principal | None:
         select(ApiToken, Tenant)
         .join(Tenant, Tenant.id == ApiToken.tenant_id)
         .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+        .where(or_(ApiToken.expires_at.is_(None), ApiToken.expires_at > utcnow()))
     ).first()
     if row is None:
         return None
@@ -46,23 +52,45 @@ def create_tenant(session: Session, name: str) -> Tenant:
     return tenant
 
 
+def set_limits(session: Session, tenant: Tenant, **limits: int | None) -> None:
+    """An admin's priority ceiling and quotas for the tenant (see api/quota.py)."""
+    for name, value in limits.items():
+        setattr(tenant, name, value)
+    session.commit()
+
+
 def tenant_by_name(session: Session, name: str) -> Tenant | None:
     return session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
 
 
-def create_token(session: Session, tenant: Tenant, admin: bool, name: str = "") -> str:
+def create_token(
+    session: Session,
+    tenant: Tenant,
+    admin: bool,
+    name: str = "",
+    expires_at: datetime | None = None,
+) -> tuple[str, ApiToken]:
+    """A new token (returned once) and its stored row (digest only)."""
     token = new_token()
-    session.add(
-        ApiToken(
-            tenant_id=tenant.id,
-            token_hash=hash_token(token),
-            prefix=token[:10],
-            admin=admin,
-            name=name,
-        )
+    row = ApiToken(
+        tenant_id=tenant.id,
+        token_hash=hash_token(token),
+        prefix=token[:10],
+        admin=admin,
+        name=name,
+        expires_at=expires_at,
     )
+    session.add(row)
     session.commit()
-    return token
+    return token, row
+
+
+def list_tokens(session: Session, tenant: str | None) -> list[tuple[ApiToken, str]]:
+    """Every token (revoked and expired ones too) with its tenant's name, oldest first."""
+    query = select(ApiToken, Tenant.name).join(Tenant, Tenant.id == ApiToken.tenant_id)
+    if tenant is not None:
+        query = query.where(Tenant.name == tenant)
+    return list(session.execute(query.order_by(ApiToken.id)).tuples())
 
 
 def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | None:
@@ -90,19 +118,25 @@ def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | N
     if session.execute(select(func.count(ApiToken.id))).scalar_one():
         return None
     tenant = tenant_by_name(session, "admin") or create_tenant(session, "admin")
-    return create_token(session, tenant, admin=True, name="bootstrap")
+    return create_token(session, tenant, admin=True, name="bootstrap")[0]
 
 
 def revoke_token(session: Session, prefix: str, caller: Principal) -> int:
-    """Revoke every live token starting with ``prefix``; never the caller's own (it would
-    lock the caller out mid-rotation): Conflict then."""
-    rows = list(
-        session.execute(
-            select(ApiToken).where(
-                ApiToken.prefix.startswith(prefix), ApiToken.revoked_at.is_(None)
-            )
-        ).scalars()
-    )
+    """Revoke every live token starting with ``prefix`` (literally: ``%`` and ``_`` match
+    only themselves); never the caller's own (it would lock the caller out
+    mid-rotation): Conflict then."""
+    live = ApiToken.revoked_at.is_(None)
+    query = select(ApiToken).where(ApiToken.prefix.startswith(prefix, autoescape=True), live)
+    return _revoke(session, list(session.execute(query).scalars()), caller)
+
+
+def revoke_token_by_id(session: Session, token_id: int, caller: Principal) -> int:
+    """Revoke one live token by its id (as listed); 0 when no live token has it."""
+    query = select(ApiToken).where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+    return _revoke(session, list(session.execute(query).scalars()), caller)
+
+
+def _revoke(session: Session, rows: list[ApiToken], caller: Principal) -> int:
     if any(row.id == caller.token_id for row in rows):
         raise Conflict("this is the token making the request; revoke it with another one")
     for row in rows:
@@ -124,28 +158,32 @@ def submit(
     name: str,
     submission_id: str | None,
     priority: int,
+    checkpoint_base: str,
+    checkpoint_sub: str | None = None,
 ) -> Created:
-    """Store a queued job; with a submission id already used by this tenant, the
-    existing job instead (the unique constraint decides under concurrency)."""
+    """Store a queued job, its checkpoints placed under ``checkpoint_base`` (see
+    api/confine.py); with a submission id already used by this tenant, the existing
+    job instead (the unique constraint decides under concurrency)."""
     if submission_id is not None:
         found = _by_submission(session, who.tenant_id, submission_id)
         if found is not None:
             return Created(found, False)
     now = utcnow()
+    job_id = str(uuid.uuid4())
     job = Job(
-        id=str(uuid.uuid4()),
+        id=job_id,
         tenant_id=who.tenant_id,
         submission_id=submission_id,
         name=name,
         spec=spec,
         priority=priority,
-        status="queued",
+        status=JobState.QUEUED,
         reason="submitted",
         message="waiting for capacity",
         attempts=0,
         current_dp=0,
         step=0,
-        checkpoint_path="",
+        checkpoint_path=checkpoint_path(checkpoint_base, job_id, checkpoint_sub),
         events_seen=0,
         logs_seen=0,
         metrics={},
@@ -246,12 +284,29 @@ def set_status(
         return
     now = utcnow()
     job.status, job.reason, job.message, job.updated_at = status, reason, message, now
-    if status == "running" and job.started_at is None:
+    if status == JobState.RUNNING and job.started_at is None:
         job.started_at = now
     if status in TERMINAL and job.finished_at is None:
         job.finished_at = now
     if record:
         add_event(session, job, "status", reason, f"{status}: {message}", {"status": status})
+
+
+def cancel_queued(session: Session, job: Job, message: str) -> None:
+    """Cancel a job still queued; Conflict when admission changed it meanwhile (the
+    write is checked against the version read)."""
+    set_status(session, job, JobState.CANCELLED, "cancelled", message)
+    try:
+        session.commit()
+    except StaleDataError:
+        session.rollback()
+        raise Conflict(f"job {job.id} changed meanwhile; retry") from None
+
+
+def record_cancel_request(session: Session, job: Job, tenant: str) -> None:
+    """A running job was asked to stop; its status follows from its supervisor."""
+    add_event(session, job, "request", "cancel", f"cancel requested by {tenant}")
+    session.commit()
 
 
 def _after(session: Session, table, job: Job, after: int, limit: int) -> list:
@@ -266,6 +321,53 @@ def events(session: Session, job: Job, after: int, limit: int) -> list[JobEvent]
 
 def logs(session: Session, job: Job, after: int, limit: int) -> list[JobLog]:
     return _after(session, JobLog, job, after, limit)
+
+
+def add_events(session: Session, job: Job, events: list[dict], keep: int) -> None:
+    """Store the supervisor's new events (its own fields as ``data``), keeping the
+    newest ``keep`` of the job."""
+    for event in events:
+        data = {k: v for k, v in event.items() if k not in ("kind", "reason", "message")}
+        add_event(session, job, event["kind"], event["reason"], event["message"], data)
+    job.events_seen += len(events)
+    if events:
+        _prune(session, JobEvent, job, keep)
+
+
+def add_log_lines(session: Session, job: Job, lines: list[str], keep: int) -> None:
+    """Store new log lines, keeping the newest ``keep`` of the job."""
+    now = utcnow()
+    session.add_all(JobLog(job_id=job.id, time=now, line=line) for line in lines)
+    job.logs_seen += len(lines)
+    if lines:
+        _prune(session, JobLog, job, keep)
+
+
+def add_metrics(
+    session: Session,
+    job: Job,
+    ranks: dict[str, Any],
+    history: list[dict],
+    history_seen: int,
+    keep: int,
+) -> None:
+    """The newest per-rank stats, and the history extended by its new chunks (the
+    newest ``keep`` of them); ``history_seen``: the supervisor's next position."""
+    stored = job.metrics or {}
+    job.metrics = {
+        "ranks": ranks or stored.get("ranks", {}),
+        "history": (stored.get("history", []) + history)[-keep:],
+        "history_seen": history_seen,
+    }
+
+
+def _prune(session: Session, table, job: Job, keep: int) -> None:
+    """Delete the job's rows of ``table`` older than its newest ``keep``."""
+    session.flush()
+    newest = select(table.id).where(table.job_id == job.id).order_by(table.id.desc())
+    cutoff = session.execute(newest.offset(keep).limit(1)).scalar_one_or_none()
+    if cutoff is not None:
+        session.execute(delete(table).where(table.job_id == job.id, table.id <= cutoff))
 
 
 def jobs_in(session: Session, statuses: tuple[str, ...]) -> list[Job]:

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from api.cli import main
 from tests.checkpoint import scenarios as sc
 from tests.engine.scenarios import TINY, Spec
 from zeroservice.launch import run_local
 from zeroservice.models import GPT, GPTConfig
+from zscli.cli import main
 
 
 def test_demo_trains_at_stage3_and_reports(tmp_path, capsys):

@@ -12,7 +12,8 @@ from .supervisor import NAMESPACE, JobSupervisor, supervisor_name
 
 
 def launch(job_id: str, spec: JobSpec, checkpoint_root: str | Path) -> Any:
-    """Create the job's detached supervisor and start it; returns its actor handle.
+    """Create the job's detached supervisor (or find it: launching twice is harmless)
+    and start it; returns its actor handle.
 
     The supervisor takes no CPU and lives on the head node, the one node whose loss
     ends the cluster anyway: losing a worker node must never take a job's supervisor
@@ -26,6 +27,7 @@ def launch(job_id: str, spec: JobSpec, checkpoint_root: str | Path) -> Any:
         resources={"node:__internal_head__": 0.001},
         max_concurrency=16,
         max_restarts=0,
+        get_if_exists=True,
     ).remote(job_id, spec.model_dump_json(), str(checkpoint_root))
     ray.get(handle.start.remote())
     return handle

@@ -9,6 +9,7 @@ job is refused at submission, before any resource is taken.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -18,10 +19,29 @@ from zeroservice.config import ConfigError, ZeroConfig
 from zeroservice.models import GPTConfig
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_SUB_DIR = re.compile(r"^[\w.\-]+(/[\w.\-]+)*$", re.ASCII)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
+
+
+def _finite_json(value: Any, where: str, depth: int = 0) -> Any:
+    """Free-form JSON (factory kwargs, configs) with no NaN or infinity and bounded depth:
+    it is stored and sent on as JSON, which has neither."""
+    if depth > 16:
+        raise ValueError(f"{where}: nested deeper than 16 levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: {value} is not a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _finite_json(item, f"{where}.{key}", depth + 1)
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _finite_json(item, f"{where}[{i}]", depth + 1)
+    return value
 
 
 class GPTModelSpec(_Strict):
@@ -63,7 +83,9 @@ class TransformersModelSpec(_Strict):
 
     kind: Literal["transformers"]
     """Selects a transformers model."""
-    architecture: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9]*ForCausalLM$|^GPT2LMHeadModel$")
+    architecture: str = Field(
+        max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9]*ForCausalLM$|^GPT2LMHeadModel$"
+    )
     """e.g. GPT2LMHeadModel, LlamaForCausalLM."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Arguments of the architecture's config class (n_layer, hidden_size, ...)."""
@@ -72,6 +94,11 @@ class TransformersModelSpec(_Strict):
     vocab_size: int = Field(ge=2, le=1_048_576)
     """Vocabulary size (must equal the config's)."""
 
+    @field_validator("config")
+    @classmethod
+    def _finite_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _finite_json(value, "model.config")
+
 
 class FactoryModelSpec(_Strict):
     """``package.module:function(**kwargs)`` returning an nn.Module whose
@@ -79,14 +106,20 @@ class FactoryModelSpec(_Strict):
 
     kind: Literal["factory"]
     """Selects a model built by an importable function."""
-    factory: str
-    """``package.module:function``, importable on every worker."""
+    factory: str = Field(max_length=256)
+    """``package.module:function``, importable on every worker, in a module the
+    service allows."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the factory (JSON)."""
     seq_len: int = Field(128, ge=1, le=1_048_576)
     """Tokens per sample."""
     vocab_size: int = Field(ge=2, le=1_048_576)
     """Vocabulary size (token ids are checked against it)."""
+
+    @field_validator("kwargs")
+    @classmethod
+    def _finite_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _finite_json(value, "model.kwargs")
 
     @field_validator("factory")
     @classmethod
@@ -108,11 +141,12 @@ class DataSpec(_Strict):
 
     kind: Literal["synthetic", "text", "tokens"] = "synthetic"
     """synthetic, text or tokens."""
-    path: str | None = None
-    """File to read (text and tokens); readable by every worker."""
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    """File to read (text and tokens), under the service's data roots (a relative path
+    from the first); readable by every worker."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Id width of a tokens file."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     """Seed of the sample order (and of the synthetic chain)."""
 
     @model_validator(mode="after")
@@ -184,8 +218,23 @@ class CheckpointSpec(_Strict):
     """Save every this many optimizer steps (and at the end)."""
     keep: int = Field(2, ge=1, le=1000)
     """Complete checkpoints kept (older ones are pruned)."""
-    dir: str | None = None
-    """Root directory (default: the service's data directory / job id)."""
+    dir: str | None = Field(None, min_length=1, max_length=255)
+    """A sub-directory of the tenant's checkpoint directory (``a/b``: letters, digits,
+    ``_ . -``; never ``..`` or absolute); default: the job's id. Name the same one
+    in a later job to resume from its checkpoints."""
+
+    @field_validator("dir")
+    @classmethod
+    def _sub_directory(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parts = value.split("/")
+        if not _SUB_DIR.match(value) or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(
+                f"checkpoint.dir: {value[:64]!r} is not a relative sub-directory "
+                "(letters, digits, _ . - separated by /, no '..')"
+            )
+        return value
 
 
 class TimeoutsSpec(_Strict):
@@ -221,7 +270,7 @@ class JobSpec(_Strict):
     """Bootstrap and hang-watchdog limits."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """Restarts (worker loss, stalls, failed starts) before the job fails."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     """Seed of the initial weights."""
     peak_tflops: float | None = Field(None, gt=0, le=100_000)
     """Peak dense TFLOPS of one rank's device for MFU (default: from the device table)."""
@@ -236,6 +285,7 @@ class JobSpec(_Strict):
     @field_validator("engine")
     @classmethod
     def _engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _finite_json(value, "engine")
         try:
             ZeroConfig.from_dict(dict(value))
         except (ConfigError, TypeError) as exc:

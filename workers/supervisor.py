@@ -39,10 +39,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from .cluster import actor_env
 from .placement import Placement, bundle, place, replicas_available
 from .rank import RankWorker
+from .ring import Ring
 from .spec import JobSpec
+from .state import TERMINAL, JobState
 from .watchdog import diagnose
 
-TERMINAL = ("succeeded", "failed", "cancelled")
+MAX_EVENTS = 10_000
+MAX_LOG_LINES = 10_000
+MAX_HISTORY = 10_000
+MAX_LOSSES = 10_000
+"""What a supervisor keeps in memory (the newest); the control plane keeps its own
+copies under its own retention limits (docs/operations.md, "Retention")."""
 NAMESPACE = "zeroservice"
 
 
@@ -79,10 +86,10 @@ class JobSupervisor:
         self.spec_json = spec_json
         self.root = checkpoint_root
         self._lock = threading.RLock()
-        self._status, self._reason, self._message = "queued", "submitted", ""
-        self._events: list[dict[str, Any]] = []
-        self._log: list[str] = []
-        self._history: list[dict[str, Any]] = []
+        self._status, self._reason, self._message = JobState.QUEUED, "submitted", ""
+        self._events: Ring[dict[str, Any]] = Ring(MAX_EVENTS)
+        self._log: Ring[str] = Ring(MAX_LOG_LINES)
+        self._history: Ring[dict[str, Any]] = Ring(MAX_HISTORY)
         """Per chunk of steps: step, loss, tokens/s of all replicas, dp."""
         self._losses: dict[int, float] = {}
         self._restarts = 0
@@ -118,7 +125,7 @@ class JobSupervisor:
                 "step": self._step,
                 "steps": self.spec.steps,
                 "restarts": self._restarts,
-                "events": len(self._events),
+                "events": self._events.total,
                 "started_at": self._started_at,
                 "finished_at": self._finished_at,
                 "checkpoint_root": self.root,
@@ -126,27 +133,33 @@ class JobSupervisor:
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         with self._lock:
-            return [dict(e) for e in self._events[since:]]
+            return [dict(e) for e in self._events.since(since)]
 
     def logs(self, since: int = 0) -> list[str]:
         """Progress lines (one per chunk of steps) and every event, time-stamped."""
         with self._lock:
-            return list(self._log[since:])
+            return self._log.since(since)
 
-    def poll(self, events_since: int = 0, logs_since: int = 0) -> dict[str, Any]:
-        """Everything the control plane syncs, in one call."""
+    def poll(
+        self, events_since: int = 0, logs_since: int = 0, history_since: int = 0
+    ) -> dict[str, Any]:
+        """Everything the control plane syncs, in one call: what is new since the
+        positions it has seen (``history_total``: the next history position)."""
+        with self._lock:
+            history_total = self._history.total
         return {
             "status": self.status(),
             "events": self.events(events_since),
             "logs": self.logs(logs_since),
             "metrics": self.metrics(),
-            "history": self.history(),
+            "history": self.history(history_since),
+            "history_total": history_total,
             "targets": self.targets(),
         }
 
-    def history(self) -> list[dict[str, Any]]:
+    def history(self, since: int = 0) -> list[dict[str, Any]]:
         with self._lock:
-            return [dict(h) for h in self._history]
+            return [dict(h) for h in self._history.since(since)]
 
     def losses(self) -> dict[int, float]:
         with self._lock:
@@ -199,7 +212,7 @@ class JobSupervisor:
         with self._lock:
             self._events.append(
                 {
-                    "seq": len(self._events),
+                    "seq": self._events.total,
                     "time": _now(),
                     "kind": kind,
                     "reason": reason,
@@ -210,11 +223,11 @@ class JobSupervisor:
                 }
             )
 
-    def _set(self, status: str, reason: str, message: str) -> None:
+    def _set(self, status: JobState, reason: str, message: str) -> None:
         with self._lock:
             changed = status != self._status
             self._status, self._reason, self._message = status, reason, message
-            if status == "running" and self._started_at is None:
+            if status == JobState.RUNNING and self._started_at is None:
                 self._started_at = _now()
             if status in TERMINAL:
                 self._finished_at = _now()
@@ -227,12 +240,14 @@ class JobSupervisor:
             self._loop()
         except Exception:
             self._teardown(clean=False)
-            self._set("failed", "internal_error", traceback.format_exc(limit=8))
+            self._set(JobState.FAILED, "internal_error", traceback.format_exc(limit=8))
 
     def _loop(self) -> None:
         spec, res = self.spec, self.spec.resources
         self._set(
-            "starting", "placing", f"asking Ray for {res.lowest_dp}-{res.highest_dp} replicas"
+            JobState.STARTING,
+            "placing",
+            f"asking Ray for {res.lowest_dp}-{res.highest_dp} replicas",
         )
         while True:
             if self._cancel.is_set():
@@ -242,7 +257,7 @@ class JobSupervisor:
             )
             if placement is None:
                 self._set(
-                    "failed",
+                    JobState.FAILED,
                     "insufficient_resources",
                     f"no room for {res.lowest_dp} replica(s) of {bundle(res)} each within "
                     f"{spec.timeouts.bootstrap_s:g} s (free now: {ray.available_resources()})",
@@ -268,16 +283,16 @@ class JobSupervisor:
             outcome = self._train(group)
             if outcome.kind == "done":
                 self._teardown(clean=True)
-                self._set("succeeded", "completed", f"{spec.steps} steps")
+                self._set(JobState.SUCCEEDED, "completed", f"{spec.steps} steps")
                 return
             self._teardown(clean=False)
             if outcome.kind == "cancelled":
                 return self._finish_cancelled()
             if outcome.kind == "error":
-                self._set("failed", "training_error", outcome.message)
+                self._set(JobState.FAILED, "training_error", outcome.message)
                 return
             if outcome.kind == "grow":
-                self._set("resizing", "capacity_returned", outcome.message)
+                self._set(JobState.RESIZING, "capacity_returned", outcome.message)
                 continue
             reason = "worker_lost" if outcome.kind == "lost" else "stalled"
             if not self._count_restart(reason, outcome.message, ranks=outcome.ranks):
@@ -291,17 +306,17 @@ class JobSupervisor:
         self._event("restart", reason, message, ranks=ranks or [], restarts=restarts)
         if restarts > self.spec.max_restarts:
             self._set(
-                "failed",
+                JobState.FAILED,
                 reason,
                 f"{message} (restart budget of {self.spec.max_restarts} spent)",
             )
             return False
-        self._set("resizing", reason, f"restarting from the newest checkpoint: {message}")
+        self._set(JobState.RESIZING, reason, f"restarting from the newest checkpoint: {message}")
         return True
 
     def _finish_cancelled(self) -> None:
         self._teardown(clean=False)
-        self._set("cancelled", "cancelled", self._cancel_reason)
+        self._set(JobState.CANCELLED, "cancelled", self._cancel_reason)
 
     # -- groups -----------------------------------------------------------------------------
     def _start_group(self, placement: Placement) -> _Group:
@@ -361,7 +376,7 @@ class JobSupervisor:
                 for r, a in enumerate(addresses)
             ],
         )
-        self._set("running", "training", f"dp {placement.dp} × mp {res.mp}")
+        self._set(JobState.RUNNING, "training", f"dp {placement.dp} × mp {res.mp}")
         return self._group
 
     def _teardown(self, clean: bool) -> None:
@@ -432,6 +447,8 @@ class JobSupervisor:
         with self._lock:
             for s, values in per_step.items():
                 self._losses[s] = sum(values) / len(values)
+            for s in sorted(self._losses)[: max(0, len(self._losses) - MAX_LOSSES)]:
+                del self._losses[s]
             for r, res in enumerate(results):
                 self._rank_stats[r] = {
                     k: res[k]

@@ -111,10 +111,9 @@ class TokenFile:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         start = int(torch.randint(len(self.ids) - self.seq_len - 1, (1,), generator=g))
         row = torch.from_numpy(self.ids[start : start + self.seq_len + 1].astype("int64"))
-        top = int(row.max())
-        if top >= self.vocab_size:
+        if int(row.max()) >= self.vocab_size:  # the id itself is the file's content: not shown
             raise ValueError(
-                f"{self.path}: token id {top} near offset {start} is outside the vocabulary "
+                f"{self.path}: a token id near offset {start} is outside the vocabulary "
                 f"({self.vocab_size})"
             )
         return row

@@ -9,11 +9,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import Service, create_app
+from api.main import create_app
+from api.service import Service
 from api.settings import Settings
 from tests.api.fakes import FakeBackend
 from zeroservice.launch import free_port
@@ -35,34 +37,58 @@ def _as_postgres_user(cmd: list[str]) -> list[str]:
     return cmd
 
 
+class PostgresServer:
+    """A PostgreSQL server of its own (initdb, pg_ctl) on loopback, which a test may
+    stop and start again on the same port."""
+
+    def __init__(self) -> None:
+        initdb, self.pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if initdb is None or self.pg_ctl is None:
+            pytest.fail("PostgreSQL server binaries (initdb, pg_ctl) are not on this machine")
+        self.base = Path(tempfile.mkdtemp(prefix="zs-pg-"))
+        self.data = self.base / "data"
+        if os.geteuid() == 0:
+            shutil.chown(self.base, "postgres")
+        self.port = free_port()
+        subprocess.run(
+            _as_postgres_user(
+                [initdb, "-D", str(self.data), "-U", "zs", "-A", "trust", "-E", "UTF8"]
+            ),
+            check=True,
+            capture_output=True,
+        )
+        self.url = f"postgresql+psycopg://zs@127.0.0.1:{self.port}"
+        self.start()
+
+    def _ctl(self, *args: str, check: bool = True) -> None:
+        cmd = [str(self.pg_ctl), "-D", str(self.data), *args]
+        subprocess.run(_as_postgres_user(cmd), check=check, capture_output=True)
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._ctl("-o", opts, "-l", str(self.base / "log"), "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._ctl("-m", mode, "-w", "stop")
+
+    def database(self, name: str) -> str:
+        import psycopg
+
+        plain = self.url.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(f"{plain}/postgres", autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return f"{self.url}/{name}"
+
+    def remove(self) -> None:
+        self._ctl("-m", "immediate", "stop", check=False)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def postgres_server():
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl) are not on this machine")
-    base = Path(tempfile.mkdtemp(prefix="zs-pg-"))
-    data = base / "data"
-    if os.geteuid() == 0:
-        shutil.chown(base, "postgres")
-    port = free_port()
-    subprocess.run(
-        _as_postgres_user([initdb, "-D", str(data), "-U", "zs", "-A", "trust", "-E", "UTF8"]),
-        check=True,
-        capture_output=True,
-    )
-    opts = f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off"
-    subprocess.run(
-        _as_postgres_user(
-            [pg_ctl, "-D", str(data), "-o", opts, "-l", str(base / "log"), "-w", "start"]
-        ),
-        check=True,
-        capture_output=True,
-    )
-    yield f"postgresql+psycopg://zs@127.0.0.1:{port}"
-    subprocess.run(
-        _as_postgres_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True
-    )
-    shutil.rmtree(base, ignore_errors=True)
+    server = PostgresServer()
+    yield server
+    server.remove()
 
 
 _counter = itertools.count()
@@ -72,26 +98,27 @@ _counter = itertools.count()
 def database_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
-    import psycopg
-
     server = request.getfixturevalue("postgres_server")
-    name = f"t{os.getpid()}_{next(_counter)}"
-    plain = server.replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(f"{plain}/postgres", autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return f"{server}/{name}"
+    return server.database(f"t{os.getpid()}_{next(_counter)}")
 
 
 class Harness:
     """A service on a fake cluster, its HTTP client and its admin token."""
 
-    def __init__(self, database_url: str, data_dir: Path, backend: FakeBackend | None = None):
+    def __init__(
+        self,
+        database_url: str,
+        data_dir: Path,
+        backend: FakeBackend | None = None,
+        **settings: Any,
+    ):
         self.backend = backend or FakeBackend()
         self.settings = Settings(
             data_dir=data_dir,
             database_url=database_url,
             max_cluster={"CPU": 16.0, "GPU": 0.0},
             cpu_rank_memory_gib=16.0,
+            **settings,
         )
         self.service = Service(self.settings, self.backend, start_scheduler=False)
         self.client = TestClient(create_app(self.service))

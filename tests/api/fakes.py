@@ -20,6 +20,13 @@ class FakeBackend:
         self.cancelled: list[str] = []
         self.requests: list[list[dict[str, float]]] = []
         self.requested: list[dict[str, float]] = []
+        self.counted: list[JobSpec] = []
+        self.refuse_launch: set[str] = set()
+        """Jobs whose launch raises (a supervisor that cannot start)."""
+        self.slow: set[str] = set()
+        """Jobs whose supervisor does not answer a poll in time."""
+        self.history_asked: list[int] = []
+        """``history_since`` of every poll, in order."""
         self.lock = threading.Lock()
 
     def capacity(self) -> Capacity:
@@ -31,7 +38,11 @@ class FakeBackend:
         return need <= self.total["CPU"] - self.used
 
     def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+        if job_id in self.refuse_launch:
+            raise PermissionError(f"cannot create {checkpoint_root}")
         with self.lock:
+            if job_id in self.jobs:
+                return  # launching is idempotent: the job's supervisor exists
             self.launched.append(job_id)
             cpus = bundle(spec.resources)["CPU"] * spec.resources.lowest_dp
             self.used += cpus
@@ -49,8 +60,16 @@ class FakeBackend:
                 "events": [],
                 "logs": [],
                 "metrics": {},
+                "history": [],
                 "targets": [],
             }
+
+    def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
+        """What a worker would do (this process stands for the cluster here)."""
+        from workers.model_size import count_parameters
+
+        self.counted.append(spec)
+        return count_parameters(spec)
 
     def move(self, job_id: str, status: str, reason: str = "", step: int = 0, **extra) -> None:
         """What the job's supervisor would do: a status change, its event and a log line."""
@@ -65,8 +84,19 @@ class FakeBackend:
             if status in ("succeeded", "failed", "cancelled"):
                 self.used -= job["cpus"]
 
-    def poll(self, job_id: str, events_since: int, logs_since: int) -> dict[str, Any] | None:
+    def chunk(self, job_id: str, step: int, loss: float) -> None:
+        """A chunk of steps done, as the supervisor appends it to the job's history."""
         with self.lock:
+            entry = {"step": step, "loss": loss, "tokens_per_second": 100.0, "dp": 1}
+            self.jobs[job_id]["history"].append(entry)
+
+    def poll(
+        self, job_id: str, events_since: int, logs_since: int, history_since: int = 0
+    ) -> dict[str, Any] | None:
+        if job_id in self.slow:
+            raise TimeoutError("the supervisor did not answer within 30 s")
+        with self.lock:
+            self.history_asked.append(history_since)
             job = self.jobs.get(job_id)
             if job is None:
                 return None
@@ -75,6 +105,8 @@ class FakeBackend:
                 "events": job["events"][events_since:],
                 "logs": job["logs"][logs_since:],
                 "metrics": job["metrics"],
+                "history": job["history"][history_since:],
+                "history_total": len(job["history"]),
                 "targets": job["targets"],
             }
 

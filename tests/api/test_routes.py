@@ -197,6 +197,9 @@ def test_scheduler_admits_by_priority_syncs_events_and_asks_the_autoscaler(harne
     c, fake = harness.client, harness.backend
     fake.total["CPU"] = 2.0  # room for one 2-rank job at a time
     h = harness.headers(harness.tenant_token("alice"))
+    limits = {"max_priority": 5}
+    r = c.put("/v1/tenants/alice/limits", json=limits, headers=harness.headers(harness.admin))
+    assert r.status_code == 200, r.text
     low = c.post("/v1/jobs", json={"spec": TINY, "priority": 0}, headers=h).json()
     high = c.post("/v1/jobs", json={"spec": TINY, "priority": 5}, headers=h).json()
     harness.tick()
@@ -258,6 +261,7 @@ def test_jobs_and_events_survive_a_restart_and_running_jobs_are_reattached(datab
     first.backend.move(job["id"], "running", "training", step=2)
     first.tick()
     before = first.client.get(f"/v1/jobs/{job['id']}/events", headers=h).json()
+    first.service.scheduler.stop()  # a clean shutdown hands the scheduler's lease back
     first.client.close()
     first.service.engine.dispose()
     # A new control plane on the same store and the same cluster (the supervisor lives on).
@@ -277,6 +281,8 @@ def test_a_job_whose_supervisor_vanished_fails_with_that_reason(harness):
     h = harness.headers(harness.tenant_token("alice"))
     job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
     harness.tick()
+    fake.move(job["id"], "running", "training", step=1)
+    harness.tick()
     del fake.jobs[job["id"]]
     harness.tick()
     got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
@@ -284,7 +290,7 @@ def test_a_job_whose_supervisor_vanished_fails_with_that_reason(harness):
 
 
 def test_provisioned_admin_token_and_revocation(database_url, tmp_path):
-    from api.app import Service
+    from api.service import Service
 
     provisioned = "zs_provisioned-token-0123456789abcdef"
     h = Harness(database_url, tmp_path / "data")
@@ -295,7 +301,7 @@ def test_provisioned_admin_token_and_revocation(database_url, tmp_path):
     assert service.bootstrap_token is None  # ensured, not generated
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
+    from api.main import create_app
 
     client = TestClient(create_app(service))
     admin = {"Authorization": f"Bearer {provisioned}"}

@@ -22,14 +22,23 @@ TINY_JOB = {
 
 
 @pytest.fixture
-def stack(tmp_path):
+def stack_env() -> dict[str, str]:
+    """Settings of the stack beyond its home and port (a test module may override it)."""
+    return {}
+
+
+@pytest.fixture
+def stack(tmp_path, stack_env):
     env = dict(
-        os.environ, ZEROSERVICE_HOME=str(tmp_path / "home"), ZEROSERVICE_PORT=str(free_port())
+        os.environ,
+        ZEROSERVICE_HOME=str(tmp_path / "home"),
+        ZEROSERVICE_PORT=str(free_port()),
+        **stack_env,
     )
 
     def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "api.cli", *args],
+            [sys.executable, "-m", "zscli.cli", *args],
             env=env,
             capture_output=True,
             text=True,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from api.server import processes_with, terminate
 from tests.e2e.conftest import free_port
+from zscli.server import processes_with, terminate
 
 pytestmark = pytest.mark.slow
 
@@ -108,10 +108,11 @@ from workers.cluster import use_loopback
 use_loopback({str(work / "home")!r})
 import ray
 ray.init(address={gcs!r}, namespace="zeroservice", log_to_driver=False)
-from api.app import Service
+from api.service import Service
 from api.backend import RayBackend
 from api.settings import Settings
 from api import store
+from api.confine import checkpoint_base
 from workers.spec import JobSpec
 settings = Settings(data_dir={str(tmp_path / "data")!r}, max_cluster={{"CPU": 4.0}})
 service = Service(settings, RayBackend(), start_scheduler=False)
@@ -123,7 +124,8 @@ spec = JobSpec.model_validate({{
     "timeouts": {{"bootstrap_s": 120, "step_s": 120}}}})
 with service.sessions() as s:
     admin = store.authenticate(s, service.bootstrap_token)
-    job = store.submit(s, admin, spec.model_dump(mode="json"), "scaled", None, 0).job
+    base = checkpoint_base(settings, admin.tenant)
+    job = store.submit(s, admin, spec.model_dump(mode="json"), "scaled", None, 0, base).job
 log = {{"cpus": [], "requests": []}}
 def tick():
     service.scheduler.tick()

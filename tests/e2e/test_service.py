@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from api.server import processes_with
 from tests.e2e.conftest import TINY_JOB
 from tests.waiting import wait_for
+from zscli.server import processes_with
 
 pytestmark = pytest.mark.slow
 

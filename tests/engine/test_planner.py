@@ -10,12 +10,12 @@ from decimal import Decimal
 import pytest
 import torch
 
-from api.cli import main
 from zeroservice import planner
 from zeroservice.launch import run_local
 from zeroservice.memory import expected_model_state_bytes
 from zeroservice.models import GPT, GPTConfig
 from zeroservice.planner import ModelSpec, PlanError
+from zscli.cli import main
 
 # Odd sizes everywhere (vocab 509, 31 positions, dim 63), so that units need padding.
 ODD = dict(vocab_size=509, seq_len=31, n_layer=2, n_head=3, dim=63)

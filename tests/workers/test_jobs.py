@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from api.server import processes_with
 from tests.waiting import wait_for
 from tests.workers.jobs import TINY_GPT2, tiny_job
+from zscli.server import processes_with
 
 pytestmark = pytest.mark.slow
 

@@ -108,8 +108,9 @@ def test_builds_each_model_kind_and_dataset(tmp_path):
     assert int(ds.sample(5).max()) < 256
     np.full(100, 300, dtype="<u2").tofile(tokens)
     ds = build_dataset(tiny_job(data={"kind": "tokens", "path": str(tokens)}))
-    with pytest.raises(ValueError, match="token id 300 .* outside the vocabulary"):
+    with pytest.raises(ValueError, match="a token id near offset .* outside the vocabulary") as e:
         ds.sample(0)
+    assert "300" not in str(e.value)  # the file's content is never in a message
     opt = optimizer_factory(tiny_job(optimizer={"type": "sgd", "lr": 0.1, "momentum": 0.9}))
     assert isinstance(opt([torch.nn.Parameter(torch.zeros(2))]), torch.optim.SGD)
 

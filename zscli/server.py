@@ -19,10 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from .settings import Settings
+from api.settings import TOKEN_FILE, Settings
 
 STACK_FILE = "stack.json"
-TOKEN_FILE = "admin-token"
 
 
 def stack_path(settings: Settings) -> Path:
@@ -48,8 +47,11 @@ def _clean_env(extra: dict[str, str], **more: str) -> dict[str, str]:
     return env
 
 
-def start_ray_head(settings: Settings, num_cpus: float, num_gpus: int = 0) -> tuple[str, int]:
-    """``ray start --head`` on loopback (see workers/cluster.py); returns (address, pid)."""
+def start_ray_head(
+    settings: Settings, num_cpus: float, num_gpus: int = 0, port: int | None = None
+) -> tuple[str, int]:
+    """``ray start --head`` on loopback (see workers/cluster.py), on ``port`` or a free
+    one; returns (address, port)."""
     from workers.cluster import loopback_env
 
     env = _clean_env(loopback_env(settings.data_dir / "ray-home"))
@@ -57,7 +59,7 @@ def start_ray_head(settings: Settings, num_cpus: float, num_gpus: int = 0) -> tu
     tmp.mkdir(parents=True, exist_ok=True)
     from zeroservice.launch import free_port  # loaded here: the CLI's client needs no torch
 
-    port = free_port()
+    port = port or free_port()
     ray_bin = Path(sys.executable).parent / "ray"
     cmd = [
         str(ray_bin),

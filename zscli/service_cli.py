@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from api.settings import Settings
+
 from .client import ApiError, Client
-from .settings import Settings
 
 PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naninf]+) ([\d,]+) tokens/s")
 

@@ -8,8 +8,9 @@ from typing import Any
 
 import httpx
 
+from api.settings import Settings
+
 from .server import read_stack
-from .settings import Settings
 
 
 class ApiError(Exception):

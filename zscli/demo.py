@@ -17,10 +17,11 @@ from pathlib import Path
 
 import httpx
 
+from api.settings import Settings
+
 from .client import Client
 from .server import down, up
 from .service_cli import watch
-from .settings import Settings
 
 
 def demo_spec(steps: int, stage: int, precision: str) -> dict:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from api.plan_cli import add_plan_parser
+from zscli.plan_cli import add_plan_parser
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -1,0 +1,67 @@
+"""A bound on request bodies: a larger one is answered 413 before any route reads it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+Scope = dict[str, Any]
+
+
+class BodyLimit:
+    """ASGI middleware: the body is read (at most ``max_bytes``) before the app runs,
+    then replayed to it; a declared or actual larger body gets 413."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(send)
+            return
+        body = await self._read(receive)
+        if body is None:
+            await self._refuse(send)
+            return
+        await self.app(scope, self._replay(body, receive), send)
+
+    async def _read(self, receive: Any) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"".join(chunks)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return None
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    @staticmethod
+    def _replay(body: bytes, receive: Any) -> Any:
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+    async def _refuse(self, send: Any) -> None:
+        detail = f"body: larger than {self.max_bytes} bytes (ZEROSERVICE_MAX_BODY_BYTES)"
+        payload = json.dumps({"detail": detail}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(payload)),
+        ]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})

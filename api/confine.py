@@ -1,0 +1,69 @@
+"""What a tenant's job may name: factories from allowed modules, data under the
+operator's data roots, checkpoints under the tenant's own directory.
+
+Each check works on names and paths only: nothing a tenant names is imported, opened
+or created here (see docs/operations.md, "Trust model").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from workers.spec import FactoryModelSpec, JobSpec
+
+from .settings import Settings
+
+
+class Refused(ValueError):
+    """A job names something outside what its tenant may use; the message names the field."""
+
+
+def check_factory(factory: str, allowed: tuple[str, ...]) -> None:
+    """``module:function`` must lie in a module under an allowed prefix (``*``: any)."""
+    module = factory.partition(":")[0]
+    if "*" in allowed or any(module == p or module.startswith(p + ".") for p in allowed):
+        return
+    offered = ", ".join(allowed) if allowed else "none are enabled"
+    raise Refused(
+        f"model.factory: {factory!r} is not in a module this service allows "
+        f"(ZEROSERVICE_MODEL_FACTORIES: {offered})"
+    )
+
+
+def tenant_data_roots(settings: Settings, tenant: str) -> list[str]:
+    return [os.path.realpath(root.replace("{tenant}", tenant)) for root in settings.data_roots]
+
+
+def resolve_data_path(path: str, tenant: str, settings: Settings) -> str:
+    """The real path (symlinks resolved) of ``path``, which must lie under one of the
+    tenant's data roots; a relative path is taken from the first root."""
+    roots = tenant_data_roots(settings, tenant)
+    real = os.path.realpath(os.path.join(roots[0], path))
+    if not any(real == root or real.startswith(root + os.sep) for root in roots):
+        raise Refused(f"data.path: {path!r} is not under this tenant's data roots")
+    return real
+
+
+def checkpoint_base(settings: Settings, tenant: str) -> str:
+    """The tenant's checkpoint directory: every job of the tenant checkpoints below it."""
+    return str(Path(settings.checkpoint_root) / tenant)
+
+
+def checkpoint_path(base: str, job_id: str, sub: str | None) -> str:
+    """``<base>/<sub>`` when the job names a sub-directory (to resume from an earlier
+    job's checkpoints), else ``<base>/<job id>``. ``sub`` is a checked relative path
+    (workers.spec.CheckpointSpec)."""
+    return str(Path(base) / (sub or job_id))
+
+
+def confine(spec: JobSpec, tenant: str, settings: Settings) -> JobSpec:
+    """The spec as the workers will run it (data path resolved), or Refused."""
+    if isinstance(spec.model, FactoryModelSpec):
+        check_factory(spec.model.factory, settings.model_factories)
+    if spec.data.path is None:
+        return spec
+    data = spec.data.model_copy(
+        update={"path": resolve_data_path(spec.data.path, tenant, settings)}
+    )
+    return spec.model_copy(update={"data": data})

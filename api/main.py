@@ -1,0 +1,52 @@
+"""The REST control plane (FastAPI): the app, its middleware, error handlers and
+routers (api/routes/). Every /v1 route needs a bearer token; a tenant sees and cancels
+only its own jobs (another tenant's job answers 404, as a job that does not exist);
+admin tokens see every tenant's jobs and manage tenants and tokens."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+
+from . import errors
+from .body_limit import BodyLimit
+from .routes import cluster, health, jobs, plan, tenants
+from .service import Service
+
+
+def create_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if service.start_scheduler:
+            service.scheduler.start()
+        yield
+        service.scheduler.stop()
+
+    app = FastAPI(
+        title="zeroservice",
+        version="0.1.0",
+        description="Train PyTorch models with ZeRO on Ray: jobs, events, metrics, plans.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes)
+    app.middleware("http")(_measure)
+    for module in (health, jobs, plan, cluster, tenants):
+        app.include_router(module.router)
+    return app
+
+
+async def _measure(request: Request, call_next):
+    """Requests, latency and errors by route, for the control plane's metrics."""
+    metrics = request.app.state.service.metrics
+    t0 = time.perf_counter()
+    response = await call_next(request)
+    path = getattr(request.scope.get("route"), "path", "unmatched")
+    metrics.requests.labels(request.method, path, str(response.status_code)).inc()
+    metrics.latency.labels(request.method, path).observe(time.perf_counter() - t0)
+    if response.status_code >= 400:
+        metrics.errors.labels(path, str(response.status_code)).inc()
+    return response

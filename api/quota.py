@@ -1,0 +1,112 @@
+"""What a tenant may ask of the shared cluster: a priority up to its ceiling, ranks and
+GPUs in use up to its quotas, a bounded queue; and no job larger than the cluster can
+ever be. Ceilings and quotas are set per tenant by an admin (``PUT
+/v1/tenants/{name}/limits``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from workers.spec import JobSpec, ResourcesSpec
+from workers.state import ACTIVE, JobState
+
+from .auth import Principal
+from .backend import job_bundles
+from .db import Job, Tenant
+from .settings import Settings
+
+
+class OverLimit(Exception):
+    """A submission beyond a limit; ``status``: 422 (never admissible) or 429 (not now)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Usage:
+    ranks: int = 0
+    gpus: int = 0
+
+
+def ranks_of(spec: JobSpec) -> int:
+    """Ranks of the job at its smallest size (what admission reserves)."""
+    return spec.resources.lowest_dp * spec.resources.mp
+
+
+def count_usage(usage: dict[int, Usage], tenant_id: int, res: ResourcesSpec) -> None:
+    ranks = res.lowest_dp * res.mp
+    usage[tenant_id].ranks += ranks
+    usage[tenant_id].gpus += ranks * res.gpus_per_rank
+
+
+def active_usage(session: Session) -> dict[int, Usage]:
+    """Ranks and GPUs each tenant's active jobs hold."""
+    usage: dict[int, Usage] = defaultdict(Usage)
+    for tenant_id, spec in session.execute(
+        select(Job.tenant_id, Job.spec).where(Job.status.in_(ACTIVE))
+    ).tuples():
+        count_usage(usage, tenant_id, ResourcesSpec.model_validate(spec.get("resources", {})))
+    return usage
+
+
+def within_quota(session: Session, tenant_id: int, spec: JobSpec, usage: dict) -> bool:
+    tenant = session.get(Tenant, tenant_id)
+    held = usage[tenant_id]
+    ranks = ranks_of(spec)
+    if tenant is None:
+        return True
+    if tenant.max_ranks is not None and held.ranks + ranks > tenant.max_ranks:
+        return False
+    gpus = ranks * spec.resources.gpus_per_rank
+    return tenant.max_gpus is None or held.gpus + gpus <= tenant.max_gpus
+
+
+def check_submission(
+    session: Session, who: Principal, spec: JobSpec, priority: int, settings: Settings
+) -> None:
+    """OverLimit unless the job may be queued now for this tenant."""
+    _fits_the_cluster(spec, settings)
+    tenant = session.get(Tenant, who.tenant_id)
+    assert tenant is not None
+    if priority > tenant.max_priority and not who.admin:
+        raise OverLimit(
+            422, f"priority: {priority} is above this tenant's ceiling {tenant.max_priority}"
+        )
+    ranks, gpus = ranks_of(spec), ranks_of(spec) * spec.resources.gpus_per_rank
+    for name, need, limit in (("ranks", ranks, tenant.max_ranks), ("GPUs", gpus, tenant.max_gpus)):
+        if limit is not None and need > limit:
+            raise OverLimit(422, f"resources: needs {need} {name}; this tenant's quota is {limit}")
+    queued = session.execute(
+        select(func.count(Job.id)).where(
+            Job.tenant_id == who.tenant_id, Job.status == JobState.QUEUED
+        )
+    ).scalar_one()
+    most = (
+        tenant.max_queued_jobs if tenant.max_queued_jobs is not None else settings.max_queued_jobs
+    )
+    if queued >= most:
+        raise OverLimit(429, f"quota: {queued} jobs queued, this tenant's limit is {most}")
+
+
+def _fits_the_cluster(spec: JobSpec, settings: Settings) -> None:
+    """422 with the numbers when the job's smallest size exceeds the cluster's maximum
+    (ZEROSERVICE_MAX_CLUSTER): it could never start."""
+    need: dict[str, float] = {}
+    for bundle in job_bundles(spec):
+        for resource, amount in bundle.items():
+            need[resource] = need.get(resource, 0.0) + amount
+    for resource, amount in sorted(need.items()):
+        most = settings.max_cluster.get(resource)
+        if most is not None and amount > most:
+            raise OverLimit(
+                422,
+                f"resources: needs {amount:g} {resource} at min_dp {spec.resources.lowest_dp} "
+                f"× mp {spec.resources.mp}; the cluster has at most {most:g} "
+                "(ZEROSERVICE_MAX_CLUSTER)",
+            )

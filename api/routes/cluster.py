@@ -1,0 +1,32 @@
+"""The cluster's capacity, and the ranks' metrics endpoints for Prometheus."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from workers.state import ACTIVE
+
+from .. import store
+from ..deps import CurrentPrincipal, ServiceDep, SessionDep, TargetsReader
+from ..schemas import ClusterOut
+
+router = APIRouter(prefix="/v1", tags=["cluster"])
+
+
+@router.get("/cluster", response_model=ClusterOut)
+def cluster(service: ServiceDep, who: CurrentPrincipal) -> ClusterOut:
+    cap = service.backend.capacity()
+    return ClusterOut(total=cap.total, free=cap.free, nodes=cap.nodes, requested=cap.requested)
+
+
+@router.get("/targets")
+def targets(service: ServiceDep, db: SessionDep, who: TargetsReader) -> list[dict[str, Any]]:
+    """Prometheus HTTP service discovery: every active rank's metrics endpoint (of the
+    caller's jobs; the metrics token's and an admin's: all)."""
+    found: list[dict[str, Any]] = []
+    for job in store.jobs_in(db, ACTIVE):
+        if who is None or who.admin or job.tenant_id == who.tenant_id:
+            found += (service.live_snapshot(job.id) or {}).get("targets", [])
+    return found

@@ -1,0 +1,48 @@
+"""Liveness, readiness and the control plane's Prometheus metrics (no token)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from ..deps import ServiceDep, SessionDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(service: ServiceDep, db: SessionDep) -> JSONResponse:
+    """200 when the store and the cluster answer and the scheduler runs; 503 with the
+    problems otherwise. Also this replica's scheduling role."""
+    problems = []
+    try:
+        db.execute(text("SELECT 1"))
+    except Exception as exc:
+        problems.append(f"database: {type(exc).__name__}")
+    scheduler = service.scheduler
+    if service.start_scheduler and not scheduler.alive:
+        problems.append("scheduler: not running")
+    if scheduler.last_error:
+        problems.append(f"scheduler: {scheduler.last_error}")
+    try:
+        service.backend.capacity()
+    except Exception as exc:
+        problems.append(f"cluster: {exc}")
+    body = {
+        "status": "ready" if not problems else "not ready",
+        "problems": problems,
+        "scheduler": "leader" if scheduler.leader else "standby",
+    }
+    return JSONResponse(body, status_code=200 if not problems else 503)
+
+
+@router.get("/metrics")
+def metrics(service: ServiceDep) -> Response:
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

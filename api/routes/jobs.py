@@ -1,0 +1,149 @@
+"""Jobs: submit, list, read, cancel, and a job's events, log lines and metrics. The
+routes read the store (and a running job's live stats); every change goes through
+api/store.py."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Response
+from sqlalchemy.orm import Session
+
+from workers.state import ACTIVE, TERMINAL, JobState
+
+from .. import quota, store
+from ..confine import checkpoint_base
+from ..db import Job
+from ..deps import CurrentPrincipal, JobId, ServiceDep, SessionDep, job_or_404
+from ..errors import Rejected
+from ..schemas import STATUSES, EventOut, JobList, JobOut, JobSubmit, LogLine, MetricsOut
+from ..service import MAX_ID
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+Cursor = Annotated[int, Query(ge=0, le=MAX_ID)]
+
+
+def _out(db: Session, job: Job, with_spec: bool = False) -> JobOut:
+    names = store.tenant_names(db, {job.tenant_id})
+    return store.to_out(job, names.get(job.tenant_id, "?"), with_spec)
+
+
+@router.post("", status_code=201, response_model=JobOut)
+def submit(
+    body: JobSubmit, service: ServiceDep, db: SessionDep, who: CurrentPrincipal, response: Response
+) -> JobOut:
+    spec, _ = service.confined_plan(body.spec, who.tenant, None, refuse=True)
+    try:
+        quota.check_submission(db, who, spec, body.priority, service.settings)
+    except quota.OverLimit as over:
+        raise Rejected(over.status, str(over)) from None
+    created = store.submit(
+        db,
+        who,
+        spec.model_dump(mode="json"),
+        spec.name,
+        body.submission_id,
+        body.priority,
+        checkpoint_base(service.settings, who.tenant),
+        spec.checkpoint.dir,
+    )
+    if not created.created:
+        response.status_code = 200
+    return _out(db, created.job, with_spec=True)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    db: SessionDep,
+    who: CurrentPrincipal,
+    status: Annotated[JobState | None, Query(description="one of " + ", ".join(STATUSES))] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> JobList:
+    jobs, total = store.list_jobs(db, who, status, limit, offset)
+    names = store.tenant_names(db, {j.tenant_id for j in jobs})
+    items = [store.to_out(j, names.get(j.tenant_id, "?")) for j in jobs]
+    more = offset + len(items) < total
+    return JobList(
+        items=items,
+        total=total,
+        limit=limit,
+        offset=offset,
+        next_offset=offset + len(items) if more else None,
+    )
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(job_id: JobId, db: SessionDep, who: CurrentPrincipal) -> JobOut:
+    return _out(db, job_or_404(db, who, job_id), with_spec=True)
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut)
+def cancel(job_id: JobId, service: ServiceDep, db: SessionDep, who: CurrentPrincipal) -> JobOut:
+    """A queued job is cancelled here; a running one is asked to stop, and its status
+    comes from its supervisor through the scheduler."""
+    job = job_or_404(db, who, job_id)
+    if job.status in TERMINAL:
+        raise HTTPException(409, f"job {job_id} is already {job.status}")
+    by = f"cancelled by {who.tenant}"
+    try:
+        if job.status == JobState.QUEUED:
+            store.cancel_queued(db, job, by)
+        else:
+            service.backend.cancel(job.id, by)
+            store.record_cancel_request(db, job, who.tenant)
+    except store.Conflict as exc:
+        raise HTTPException(409, str(exc)) from None
+    return _out(db, job)
+
+
+@router.get("/{job_id}/events", response_model=list[EventOut])
+def events(
+    job_id: JobId,
+    db: SessionDep,
+    who: CurrentPrincipal,
+    after: Cursor = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[EventOut]:
+    job = job_or_404(db, who, job_id)
+    return [
+        EventOut(id=e.id, time=e.time, kind=e.kind, reason=e.reason, message=e.message, data=e.data)
+        for e in store.events(db, job, after, limit)
+    ]
+
+
+@router.get("/{job_id}/logs", response_model=list[LogLine])
+def logs(
+    job_id: JobId,
+    db: SessionDep,
+    who: CurrentPrincipal,
+    after: Cursor = 0,
+    limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+) -> list[LogLine]:
+    job = job_or_404(db, who, job_id)
+    return [LogLine(id=x.id, time=x.time, line=x.line) for x in store.logs(db, job, after, limit)]
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsOut)
+def job_metrics(
+    job_id: JobId,
+    service: ServiceDep,
+    db: SessionDep,
+    who: CurrentPrincipal,
+    history_after: Annotated[int, Query(ge=-1, le=MAX_ID)] = -1,
+    history_limit: Annotated[int, Query(ge=0, le=1000)] = 1000,
+) -> MetricsOut:
+    """The per-rank stats (live while the job runs) and the chunks of its history
+    after step ``history_after``, oldest first, at most ``history_limit``."""
+    job = job_or_404(db, who, job_id)
+    live = False
+    stored = job.metrics or {}
+    ranks = stored.get("ranks", {})
+    later = [h for h in stored.get("history", []) if h.get("step", 0) > history_after]
+    if job.status in ACTIVE:
+        snap = service.live_snapshot(job.id)
+        if snap is not None and snap.get("metrics"):
+            ranks, live = snap["metrics"], True
+    return MetricsOut(
+        job_id=job.id, step=job.step, ranks=ranks, history=later[:history_limit], live=live
+    )

@@ -1,0 +1,205 @@
+"""What a tenant may name, probed as an unfriendly tenant would: code for the control
+plane to run, files outside its data roots, checkpoint directories outside its own."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.api.conftest import Harness
+from tests.api.test_routes import TINY, _jobs_stored
+
+SYSTEM = {
+    "kind": "factory",
+    "factory": "os:system",
+    "kwargs": {"command": "touch {marker}"},
+    "vocab_size": 64,
+}
+
+
+@pytest.fixture
+def allowing(database_url, tmp_path):
+    h = Harness(database_url, tmp_path / "data", model_factories=("tests.workers.factories",))
+    yield h
+    h.client.close()
+    h.service.engine.dispose()
+
+
+def _spec(**fields) -> dict:
+    return {**TINY, **fields}
+
+
+@pytest.mark.parametrize("route", ["/v1/jobs", "/v1/plan"])
+def test_a_factory_outside_the_allowed_modules_is_refused_by_name_and_never_run(
+    allowing, tmp_path, route
+):
+    marker = tmp_path / "x"
+    model = {**SYSTEM, "kwargs": {"command": f"touch {marker}"}}
+    h = allowing.headers(allowing.tenant_token("mallory"))
+    r = allowing.client.post(route, json={"spec": _spec(model=model)}, headers=h)
+    assert r.status_code == 422, r.text
+    assert "model.factory: 'os:system' is not in a module this service allows" in r.text
+    assert "tests.workers.factories" in r.text
+    assert not marker.exists() and allowing.backend.counted == []
+    assert _jobs_stored(allowing) == 0
+
+
+def test_factories_are_refused_when_none_are_allowed(harness, tmp_path):
+    h = harness.headers(harness.tenant_token("alice"))
+    model = {"kind": "factory", "factory": "tests.workers.jobs:tiny_model", "vocab_size": 256}
+    r = harness.client.post("/v1/plan", json={"spec": _spec(model=model)}, headers=h)
+    assert r.status_code == 422
+    assert "ZEROSERVICE_MODEL_FACTORIES: none are enabled" in r.text
+
+
+def test_an_allowed_factory_is_planned_by_the_cluster_not_by_the_api(allowing, tmp_path):
+    """The control plane hands the spec to the backend (a Ray task on a worker); a
+    model that cannot be built is refused naming the field."""
+    h = allowing.headers(allowing.tenant_token("alice"))
+    marker = tmp_path / "pid"
+    model = {
+        "kind": "factory",
+        "factory": "tests.workers.factories:recorded",
+        "kwargs": {"path": str(marker)},
+        "vocab_size": 256,
+        "seq_len": 16,
+    }
+    r = allowing.client.post("/v1/plan", json={"spec": _spec(model=model)}, headers=h)
+    assert r.status_code == 200, r.text
+    assert r.json()["fits"] is True
+    assert [s.model.factory for s in allowing.backend.counted] == [model["factory"]]
+    missing = {**model, "factory": "tests.workers.factories:nope"}
+    r = allowing.client.post("/v1/jobs", json={"spec": _spec(model=missing)}, headers=h)
+    assert r.status_code == 422 and "model.factory: cannot import" in r.text
+
+
+def test_an_unknown_transformers_architecture_is_refused_at_submit(harness):
+    pytest.importorskip("transformers")
+    h = harness.headers(harness.tenant_token("alice"))
+    model = {"kind": "transformers", "architecture": "NopeForCausalLM", "vocab_size": 256}
+    r = harness.client.post("/v1/jobs", json={"spec": _spec(model=model)}, headers=h)
+    assert r.status_code == 422, r.text
+    assert "model.architecture: transformers has no NopeForCausalLM" in r.text
+    assert _jobs_stored(harness) == 0
+
+
+def _data(path: str) -> dict:
+    return _spec(data={"kind": "text", "path": path})
+
+
+def test_data_paths_outside_the_tenants_roots_are_refused_by_name(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    harness.tenant_token("bob")
+    data_dir = harness.settings.data_dir
+    alice_root = data_dir / "data" / "alice"
+    alice_root.mkdir(parents=True)
+    bob_file = data_dir / "data" / "bob" / "corpus.txt"
+    bob_file.parent.mkdir(parents=True)
+    bob_file.write_text("bob's words " * 100)
+    (alice_root / "escape").symlink_to("/etc/passwd")
+    (alice_root / "dir-escape").symlink_to(data_dir)
+    probes = [
+        "/etc/shadow",
+        "../../../etc/passwd",
+        str(data_dir / "admin-token"),
+        str(data_dir / "zeroservice.db"),
+        "../admin-token",
+        "../../zeroservice.db",
+        str(bob_file),
+        "../bob/corpus.txt",
+        "escape",
+        "dir-escape/zeroservice.db",
+        str(alice_root) + "/../bob/corpus.txt",
+    ]
+    for path in probes:
+        for route in ("/v1/jobs", "/v1/plan"):
+            r = harness.client.post(route, json={"spec": _data(path)}, headers=h)
+            assert r.status_code == 422, (path, r.text)
+            assert f"data.path: {path!r} is not under this tenant's data roots" in r.text
+            assert "bob's words" not in r.text and "root:" not in r.text
+    assert _jobs_stored(harness) == 0
+
+
+def test_a_data_path_under_the_tenants_root_is_stored_resolved(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    root = harness.settings.data_dir / "data" / "alice"
+    (root / "texts").mkdir(parents=True)
+    (root / "texts" / "a.txt").write_text("words " * 100)
+    (root / "latest").symlink_to(root / "texts")
+    for path, resolved in [
+        ("texts/a.txt", root / "texts" / "a.txt"),
+        ("latest/a.txt", root / "texts" / "a.txt"),
+        (str(root / "texts" / "a.txt"), root / "texts" / "a.txt"),
+    ]:
+        r = harness.client.post("/v1/jobs", json={"spec": _data(path)}, headers=h)
+        assert r.status_code == 201, r.text
+        assert r.json()["spec"]["data"]["path"] == os.path.realpath(resolved)
+
+
+def test_operator_data_roots_are_per_tenant(database_url, tmp_path):
+    shared, per_tenant = tmp_path / "shared", tmp_path / "tenants"
+    (shared).mkdir()
+    (per_tenant / "alice").mkdir(parents=True)
+    (shared / "open.txt").write_text("x" * 300)
+    (per_tenant / "alice" / "own.txt").write_text("x" * 300)
+    h = Harness(
+        database_url,
+        tmp_path / "data",
+        data_roots=(str(per_tenant / "{tenant}"), str(shared)),
+    )
+    try:
+        alice, bob = h.tenant_token("alice"), h.tenant_token("bob")
+        for token, path, status in [
+            (alice, "own.txt", 201),
+            (alice, str(shared / "open.txt"), 201),
+            (bob, str(shared / "open.txt"), 201),
+            (bob, str(per_tenant / "alice" / "own.txt"), 422),
+            (bob, "../alice/own.txt", 422),
+        ]:
+            r = h.client.post("/v1/jobs", json={"spec": _data(path)}, headers=h.headers(token))
+            assert r.status_code == status, (path, r.text)
+    finally:
+        h.client.close()
+        h.service.engine.dispose()
+
+
+def test_checkpoints_live_under_the_tenants_own_directory(harness):
+    c = harness.client
+    alice = harness.headers(harness.tenant_token("alice"))
+    bob = harness.headers(harness.tenant_token("bob"))
+    root = Path(harness.settings.checkpoint_root)
+    victim = c.post("/v1/jobs", json={"spec": TINY}, headers=alice).json()
+    assert victim["checkpoint_path"] == str(root / "alice" / victim["id"])
+    probes = [
+        str(root / "alice" / victim["id"]),
+        f"../alice/{victim['id']}",
+        "../../x",
+        "/etc/passwd/x",
+        "a/../../alice",
+        ".",
+        "a//b",
+    ]
+    for sub in probes:
+        spec = _spec(checkpoint={"dir": sub})
+        r = c.post("/v1/jobs", json={"spec": spec}, headers=bob)
+        assert r.status_code == 422, (sub, r.text)
+        assert "checkpoint.dir" in r.text and "is not a relative sub-directory" in r.text
+    named = c.post("/v1/jobs", json={"spec": _spec(checkpoint={"dir": "runs/exp-1"})}, headers=bob)
+    assert named.status_code == 201, named.text
+    assert named.json()["checkpoint_path"] == str(root / "bob" / "runs" / "exp-1")
+    harness.tick()
+    launched = harness.backend.jobs
+    assert launched[victim["id"]]["status"]["checkpoint_root"] == victim["checkpoint_path"]
+    assert launched[named.json()["id"]]["status"]["checkpoint_root"] == str(
+        root / "bob" / "runs" / "exp-1"
+    )
+
+
+@pytest.mark.parametrize("name", [".", "..", ".hidden", "a/b", "../x"])
+def test_tenant_names_cannot_be_paths(harness, name):
+    r = harness.client.post(
+        "/v1/tenants", json={"name": name}, headers=harness.headers(harness.admin)
+    )
+    assert r.status_code == 422, r.text

@@ -1,0 +1,118 @@
+"""Every input bounded: non-finite numbers, ids beyond the store's integers, long
+strings and large bodies are refused with a 4xx that names the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.api.test_routes import TINY, _jobs_stored
+
+
+def _raw(spec_json: str) -> bytes:
+    return b'{"spec": ' + spec_json.encode() + b"}"
+
+
+def _with(path: str, literal: str) -> str:
+    """TINY as JSON with the value at ``path`` (dotted) replaced by a raw literal."""
+    marker = "__VALUE__"
+    body = json.loads(json.dumps(TINY))
+    node = body
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = marker
+    return json.dumps(body).replace(f'"{marker}"', literal)
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize(
+    "path,field",
+    [
+        ("optimizer.lr", '"lr"'),
+        ("optimizer.eps", '"eps"'),
+        ("resources.cpus_per_rank", '"cpus_per_rank"'),
+        ("peak_tflops", '"peak_tflops"'),
+        ("engine.max_grad_norm", "engine.max_grad_norm"),
+        ("model.dropout", '"dropout"'),
+    ],
+)
+def test_non_finite_numbers_are_refused_naming_the_field(harness, literal, path, field):
+    h = {**harness.headers(harness.tenant_token("alice")), "Content-Type": "application/json"}
+    for route in ("/v1/jobs", "/v1/plan"):
+        r = harness.client.post(route, content=_raw(_with(path, literal)), headers=h)
+        assert r.status_code == 422, (route, r.text)
+        assert field in r.text
+    assert _jobs_stored(harness) == 0
+
+
+def test_non_finite_numbers_in_free_form_json_are_refused(harness):
+    h = {**harness.headers(harness.tenant_token("alice")), "Content-Type": "application/json"}
+    spec = (
+        '{"model": {"kind": "factory", "factory": "m:f", "vocab_size": 8, '
+        '"kwargs": {"a": [1, {"b": NaN}]}}}'
+    )
+    r = harness.client.post("/v1/jobs", content=_raw(spec), headers=h)
+    assert r.status_code == 422 and "model.kwargs.a[1].b: nan is not a finite number" in r.text
+    r = harness.client.post(
+        "/v1/plan",
+        content=b'{"spec": {}, "device_memory_gib": Infinity}',
+        headers=h,
+    )
+    assert r.status_code == 422 and "device_memory_gib" in r.text
+
+
+@pytest.mark.parametrize("resource", ["events", "logs"])
+@pytest.mark.parametrize(
+    "query,field",
+    [
+        ("after=30255952116560945152", "after"),
+        ("after=2147483648", "after"),
+        ("after=-1", "after"),
+        ("limit=0", "limit"),
+        ("limit=100000", "limit"),
+    ],
+)
+def test_query_ranges_are_bounded(harness, resource, query, field):
+    h = harness.headers(harness.tenant_token("alice"))
+    job = harness.client.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    r = harness.client.get(f"/v1/jobs/{job['id']}/{resource}?{query}", headers=h)
+    assert r.status_code == 422, r.text
+    assert field in r.text
+    top = 2**31 - 1
+    r = harness.client.get(f"/v1/jobs/{job['id']}/{resource}?after={top}", headers=h)
+    assert r.status_code == 200 and r.json() == []
+
+
+def test_long_ids_and_names_are_refused(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    r = harness.client.get("/v1/jobs/" + "x" * 65, headers=h)
+    assert r.status_code == 422 and "job_id" in r.text
+    r = harness.client.post("/v1/jobs", json={"spec": {**TINY, "name": "n" * 129}}, headers=h)
+    assert r.status_code == 422 and "name" in r.text
+    r = harness.client.post(
+        "/v1/tenants", json={"name": "t" * 129}, headers=harness.headers(harness.admin)
+    )
+    assert r.status_code == 422 and "name" in r.text
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(harness):
+    h = {**harness.headers(harness.tenant_token("alice")), "Content-Type": "application/json"}
+    limit = harness.settings.max_body_bytes
+    assert limit == 2**20
+    padding = " " * (limit - len(json.dumps({"spec": TINY})) + 1)
+    body = json.dumps({"spec": TINY}) + padding
+    assert len(body) == limit + 1
+    r = harness.client.post("/v1/jobs", content=body.encode(), headers=h)
+    assert r.status_code == 413 and "ZEROSERVICE_MAX_BODY_BYTES" in r.text
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(3):
+            yield b" " * (limit // 2)
+
+    r = harness.client.post("/v1/jobs", content=chunks(), headers=h)
+    assert r.status_code == 413
+    ok = json.dumps({"spec": TINY}) + " " * (limit - len(json.dumps({"spec": TINY})))
+    assert harness.client.post("/v1/jobs", content=ok.encode(), headers=h).status_code == 201
+    assert _jobs_stored(harness) == 1

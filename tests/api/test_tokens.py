@@ -1,0 +1,118 @@
+"""Tokens expire, are listed (never shown again) and are revoked by id or by an exact
+prefix (``%`` and ``_`` are not wildcards)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import update
+
+from api.db import ApiToken
+from tests.api.test_routes import TINY as _TINY
+
+
+def _make(harness, tenant: str, **body) -> dict:
+    h = harness.headers(harness.admin)
+    harness.client.post("/v1/tenants", json={"name": tenant}, headers=h)
+    r = harness.client.post("/v1/tokens", json={"tenant": tenant, **body}, headers=h)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _works(harness, token: str) -> bool:
+    return harness.client.get("/v1/jobs", headers=harness.headers(token)).status_code == 200
+
+
+def test_tokens_expire(harness):
+    made = _make(harness, "alice", expires_in_days=7)
+    lifetime = datetime.fromisoformat(made["expires_at"]) - datetime.fromisoformat(
+        made["created_at"]
+    )
+    assert round(lifetime / timedelta(days=1)) == 7
+    default = _make(harness, "alice")
+    lifetime = datetime.fromisoformat(default["expires_at"]) - datetime.fromisoformat(
+        default["created_at"]
+    )
+    assert round(lifetime / timedelta(days=1)) == harness.settings.token_ttl_days == 90
+    assert _works(harness, made["token"])
+    with harness.service.sessions() as s:
+        past = datetime.now(timezone.utc) - timedelta(seconds=1)
+        s.execute(update(ApiToken).where(ApiToken.id == made["id"]).values(expires_at=past))
+        s.commit()
+    assert not _works(harness, made["token"])
+    assert _works(harness, default["token"])
+    r = harness.client.post(
+        "/v1/tokens",
+        json={"tenant": "alice", "expires_in_days": 0},
+        headers=harness.headers(harness.admin),
+    )
+    assert r.status_code == 422 and "expires_in_days" in r.text
+
+
+def test_tokens_are_listed_without_the_token(harness):
+    a, b = _make(harness, "alice", name="ci"), _make(harness, "bob")
+    admin = harness.headers(harness.admin)
+    listed = harness.client.get("/v1/tokens", headers=admin).json()
+    by_id = {t["id"]: t for t in listed}
+    assert by_id[a["id"]]["name"] == "ci" and by_id[a["id"]]["tenant"] == "alice"
+    assert by_id[b["id"]]["prefix"] == b["token"][:10]
+    assert a["token"] not in str(listed) and b["token"] not in str(listed)
+    assert "token_hash" not in str(listed)
+    only_bob = harness.client.get("/v1/tokens?tenant=bob", headers=admin).json()
+    assert [t["id"] for t in only_bob] == [b["id"]]
+    assert harness.client.get("/v1/tokens", headers=harness.headers(a["token"])).status_code == 403
+
+
+def test_revocation_by_id(harness):
+    a, b = _make(harness, "alice"), _make(harness, "alice")
+    admin = harness.headers(harness.admin)
+    r = harness.client.delete(f"/v1/tokens/{a['id']}", headers=admin)
+    assert r.status_code == 200 and r.json() == {"revoked": 1}
+    assert not _works(harness, a["token"]) and _works(harness, b["token"])
+    assert harness.client.delete(f"/v1/tokens/{a['id']}", headers=admin).status_code == 404
+    assert harness.client.delete("/v1/tokens/999999", headers=admin).status_code == 404
+    listed = {t["id"]: t for t in harness.client.get("/v1/tokens", headers=admin).json()}
+    assert listed[a["id"]]["revoked_at"] is not None and listed[b["id"]]["revoked_at"] is None
+    own = next(t["id"] for t in listed.values() if t["name"] == "bootstrap")
+    assert harness.client.delete(f"/v1/tokens/{own}", headers=admin).status_code == 409
+
+
+def test_a_prefix_with_wildcards_revokes_only_literally(harness):
+    made = [_make(harness, "alice") for _ in range(3)]
+    admin = harness.headers(harness.admin)
+    for prefix in ("zs_%%%%%", "zs______", "%%%%%%%%", "zs_" + "_" * 7):
+        r = harness.client.post("/v1/tokens/revoke", json={"prefix": prefix}, headers=admin)
+        assert r.status_code == 404, (prefix, r.text)
+    assert all(_works(harness, m["token"]) for m in made)
+    r = harness.client.post(
+        "/v1/tokens/revoke", json={"prefix": made[0]["token"][:10]}, headers=admin
+    )
+    assert r.json() == {"revoked": 1}
+    assert [_works(harness, m["token"]) for m in made] == [False, True, True]
+
+
+def test_the_metrics_token_reads_the_targets_and_nothing_else(database_url, tmp_path):
+    from tests.api.conftest import Harness
+
+    metrics = "zs_metrics-read-only-0123456789abcdef"
+    h = Harness(database_url, tmp_path / "data", metrics_token=metrics)
+    try:
+        alice = h.headers(h.tenant_token("alice"))
+        job = h.client.post("/v1/jobs", json={"spec": _TINY}, headers=alice).json()["id"]
+        h.tick()
+        h.backend.jobs[job]["targets"] = [{"targets": ["10.0.0.7:9000"], "labels": {}}]
+        reader = h.headers(metrics)
+        r = h.client.get("/v1/targets", headers=reader)
+        assert r.status_code == 200 and r.json()[0]["targets"] == ["10.0.0.7:9000"]
+        for method, path in [
+            ("GET", "/v1/jobs"),
+            ("GET", f"/v1/jobs/{job}"),
+            ("POST", f"/v1/jobs/{job}/cancel"),
+            ("GET", "/v1/cluster"),
+            ("GET", "/v1/tokens"),
+        ]:
+            assert h.client.request(method, path, headers=reader).status_code == 401, path
+        assert h.client.get("/v1/targets", headers=h.headers("zs_wrong")).status_code == 401
+    finally:
+        h.client.close()
+        h.service.engine.dispose()

@@ -1,0 +1,53 @@
+"""A tenant's model is built for its plan in a Ray task of its own, never in the
+caller's process, and within a time and a memory bound."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.workers.jobs import TINY_GPT2, tiny_job
+from workers.model_size import ModelNotBuildable, count_on_worker, count_parameters
+
+GIB = 2**30
+
+
+def _factory(name: str, **kwargs) -> dict:
+    return {
+        "kind": "factory",
+        "factory": f"tests.workers.factories:{name}",
+        "kwargs": kwargs,
+        "vocab_size": 256,
+        "seq_len": 16,
+    }
+
+
+def test_a_factory_runs_in_another_process_and_counts_as_in_place(local_ray, tmp_path):
+    marker = tmp_path / "pid"
+    spec = tiny_job(model=_factory("recorded", path=str(marker)))
+    counted = count_on_worker(spec, timeout_s=60, memory_bytes=2 * GIB)
+    worker_pid = int(marker.read_text())
+    assert worker_pid != os.getpid()
+    assert counted == count_parameters(spec)  # the same build, here
+
+
+def test_a_transformers_model_is_counted_and_an_unknown_one_refused(local_ray):
+    pytest.importorskip("transformers")
+    spec = tiny_job(model=TINY_GPT2)
+    assert count_on_worker(spec, timeout_s=60, memory_bytes=2 * GIB) == count_parameters(spec)
+    nope = tiny_job(model={**TINY_GPT2, "architecture": "NopeForCausalLM"})
+    with pytest.raises(ModelNotBuildable, match="model.architecture: transformers has no Nope"):
+        count_on_worker(nope, timeout_s=60, memory_bytes=2 * GIB)
+
+
+def test_a_slow_factory_is_cut_at_the_timeout(local_ray):
+    spec = tiny_job(model=_factory("slow", seconds=600))
+    with pytest.raises(ModelNotBuildable, match=r"model.factory: .* took over 3 s"):
+        count_on_worker(spec, timeout_s=3, memory_bytes=2 * GIB)
+
+
+def test_a_factory_over_the_memory_bound_is_stopped(local_ray):
+    spec = tiny_job(model=_factory("hungry", gib=1.5))
+    with pytest.raises(ModelNotBuildable, match=r"model.factory: .* over 1 GiB of memory"):
+        count_on_worker(spec, timeout_s=120, memory_bytes=1 * GIB)
