@@ -154,3 +154,28 @@ def load_groups(spec: GroupSpec, path: str) -> list[dict]:
     engine = engine_for(spec)
     engine.load_checkpoint(path)
     return _group_summary(engine)
+
+
+def mp_two_groups(stages: list[int], mps: list[int]) -> list[list[float]]:
+    """Per-step losses of the two-group AdamW at each (stage, MP degree)."""
+    from tests.engine.mp_scenarios import TINY_MP, MPSpec, _dp_mean, batches
+    from zeroservice.tensor_parallel import MPGroup
+
+    out = []
+    for stage, mp in zip(stages, mps, strict=True):
+        spec = MPSpec(stage, mp, steps=6)
+        topo = zeroservice.build_topology(mp)
+        torch.manual_seed(1234)
+        model = GPT(GPTConfig(**TINY_MP), MPGroup(topo.mp_group) if mp > 1 else None)
+        config = ZeroConfig(stage=stage, bucket_elements=20_000)
+        engine = zeroservice.initialize(model, config, two_groups("adamw"), topology=topo)
+        losses = []
+        for step in range(spec.steps):
+            ((x, y),) = batches(spec, topo, step)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(_dp_mean(loss.item(), topo))
+        engine.close()
+        out.append(losses)
+    return out

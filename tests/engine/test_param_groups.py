@@ -10,6 +10,7 @@ import torch
 from tests.engine.param_group_scenarios import (
     GroupSpec,
     load_groups,
+    mp_two_groups,
     parity,
     save_groups,
     two_groups,
@@ -75,3 +76,10 @@ def test_groups_must_cover_every_parameter_once():
         group_of_params(twice, ps)
     _, group = group_of_params(two_groups("adamw"), ps)
     assert [group[id(p)] for _, p in ps] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_two_groups_with_model_parallelism(stage):
+    """MP = 2 × DP = 1 trains like MP = 1 × DP = 2 with the same two groups."""
+    ref, tp = run_local(mp_two_groups, 2, [stage, stage], [1, 2])[0]
+    torch.testing.assert_close(torch.tensor(tp), torch.tensor(ref), rtol=1e-5, atol=0)
