@@ -10,9 +10,10 @@ N elements per unit.
 
 Units are formed in reverse registration order (the order backward produces
 gradients) and hold at most ``bucket_elements`` elements, except a single parameter
-larger than that, which forms a unit of its own. Communication buffers stay at the
-constant size all the same: such a unit's gradient is reduced in pieces (see
-[Note: constant buffers] in hooks.py).
+larger than that, which forms a unit of its own. A unit never holds parameters of
+two optimizer param groups (see [Note: param groups] in optim.py). Communication
+buffers stay at the constant size all the same: a unit above the cap has its
+gradient reduced in pieces (see [Note: constant buffers] in hooks.py).
 
 At stage 3 a unit is *partitioned*: ``flat`` holds only this rank's shard, and the
 whole buffer exists only while the unit is gathered (gather.py).
