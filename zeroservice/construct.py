@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .flat import FlatUnit, ParamSlot, padded_size
+from .flat import FlatUnit, ParamSlot, padded_size, split_into_units
 from .partition import NamedParams
 
 ModuleInit = Callable[[str, nn.Module], None]
@@ -77,6 +77,7 @@ def partitioned_units(
     world: int,
     rank: int,
     device: torch.device,
+    opt_group: dict[int, int] | None = None,
 ) -> tuple[list[FlatUnit], list[list[int]]]:
     """Empty shards for each group's parameters, split at ``bucket_elements``.
 
@@ -84,23 +85,20 @@ def partitioned_units(
     """
     units: list[FlatUnit] = []
     per_group: list[list[int]] = []
+    group_of = opt_group or {}
     for params in groups:
         indices: list[int] = []
-        chunk: NamedParams = []
-        size = 0
-        for names, p in [*params, ([], None)]:
-            if chunk and (p is None or size + p.numel() > bucket_elements):
-                slots, offset = [], 0
-                for chunk_names, q in chunk:
-                    slots.append(ParamSlot(chunk_names, q, offset, q.numel(), q.shape))
-                    offset += q.numel()
-                shard = torch.zeros(padded_size(offset, world) // world, dtype=dtype, device=device)
-                indices.append(len(units))
-                units.append(FlatUnit(len(units), slots, world, rank, shard, partitioned=True))
-                chunk, size = [], 0
-            if p is not None:
-                chunk.append((names, p))
-                size += p.numel()
+        for chunk in split_into_units(params, bucket_elements, opt_group):
+            slots, offset = [], 0
+            for chunk_names, q in chunk:
+                slots.append(ParamSlot(chunk_names, q, offset, q.numel(), q.shape))
+                offset += q.numel()
+            shard = torch.zeros(padded_size(offset, world) // world, dtype=dtype, device=device)
+            indices.append(len(units))
+            opt = group_of.get(id(chunk[0][1]), 0)
+            units.append(
+                FlatUnit(len(units), slots, world, rank, shard, partitioned=True, opt_group=opt)
+            )
         per_group.append(indices)
     return units, per_group
 

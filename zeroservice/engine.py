@@ -24,7 +24,7 @@ from torch import nn
 from . import comm, construct
 from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_modules
 from .config import ConfigError, ZeroConfig
-from .flat import FlatUnit, build_units, padded_size
+from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .gather import BufferCache, ParamGatherer
 from .hooks import GradReducer
 from .memory import (
@@ -35,7 +35,7 @@ from .memory import (
     optimizer_state_tensors,
     tensor_bytes,
 )
-from .optim import OptimizerFactory, ShardedOptimizer, StepResult
+from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
 from .partition import build_groups
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
 from .schedule import lr_factor
@@ -117,6 +117,7 @@ class Engine:
         self.gatherer: ParamGatherer | None = None
         self.units: list[FlatUnit]
         if self.policy.partitions_params:
+            template, opt_group = group_of_params(optimizer, trainable_parameters(module))
             groups = build_groups(module, config.stage3_grouping, config.bucket_elements)
             device = construct.engine_device(module, group)
             self.units, unit_groups = construct.partitioned_units(
@@ -126,6 +127,7 @@ class Engine:
                 self.dp_world,
                 shard_rank,
                 device,
+                opt_group,
             )
             if isinstance(init, str | os.PathLike):
                 construct.fill_from_file(module, self.units, construct.StateDictFile(init))
@@ -141,8 +143,14 @@ class Engine:
                 construct.materialize(module, init, construct.engine_device(module, group))
             if dtype != torch.float32:
                 module.to(dtype)
+            template, opt_group = group_of_params(optimizer, trainable_parameters(module))
             self.units = build_units(
-                module, config.bucket_elements, dtype, self.policy.shard_world, shard_rank
+                module,
+                config.bucket_elements,
+                dtype,
+                self.policy.shard_world,
+                shard_rank,
+                opt_group,
             )
             self._sync_initial_state(params=not isinstance(init, str | os.PathLike))
         grad_comm_dtype = reduce_dtype(config.precision, config.reduce_dtype)
@@ -189,6 +197,7 @@ class Engine:
             mp_comm=self.mp.comm if self.mp is not None else None,
             replicated=[_replicated_ranges(u, sharded_names) for u in self.units],
             offload=config.offload_optimizer,
+            template=template,
         )
         self.activations: CheckpointStore | None = None
         self._checkpointer: ActivationCheckpointer | None = None

@@ -10,9 +10,10 @@ N elements per unit.
 
 Units are formed in reverse registration order (the order backward produces
 gradients) and hold at most ``bucket_elements`` elements, except a single parameter
-larger than that, which forms a unit of its own. Communication buffers stay at the
-constant size all the same: such a unit's gradient is reduced in pieces (see
-[Note: constant buffers] in hooks.py).
+larger than that, which forms a unit of its own. A unit never holds parameters of
+two optimizer param groups (see [Note: param groups] in optim.py). Communication
+buffers stay at the constant size all the same: a unit above the cap has its
+gradient reduced in pieces (see [Note: constant buffers] in hooks.py).
 
 At stage 3 a unit is *partitioned*: ``flat`` holds only this rank's shard, and the
 whole buffer exists only while the unit is gathered (gather.py).
@@ -48,6 +49,9 @@ class FlatUnit:
     flat: torch.Tensor = field(repr=False)
     """The resident parameters: the whole unit, or only this rank's shard if partitioned."""
     partitioned: bool = False
+    opt_group: int = 0
+    """The optimizer param group of every parameter in this unit (see [Note: param groups]
+    in optim.py): a unit never mixes two groups."""
 
     @property
     def numel(self) -> int:
@@ -94,24 +98,41 @@ def _names_by_param(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def split_into_units(
+    params: list[tuple[list[str], nn.Parameter]],
+    bucket_elements: int,
+    opt_group: dict[int, int] | None = None,
+) -> list[list[tuple[list[str], nn.Parameter]]]:
+    """Consecutive parameters packed into size-capped chunks that never mix optimizer groups."""
+    group_of = opt_group or {}
+    chunks: list[list[tuple[list[str], nn.Parameter]]] = []
+    current: list[tuple[list[str], nn.Parameter]] = []
+    size = 0
+    for names, p in params:
+        crosses = current and group_of.get(id(p), 0) != group_of.get(id(current[0][1]), 0)
+        if current and (crosses or size + p.numel() > bucket_elements):
+            chunks.append(current)
+            current, size = [], 0
+        current.append((names, p))
+        size += p.numel()
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's trainable parameters (each once) with their first name."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
 def group_parameters(
-    module: nn.Module, bucket_elements: int
+    module: nn.Module, bucket_elements: int, opt_group: dict[int, int] | None = None
 ) -> list[list[tuple[list[str], nn.Parameter]]]:
     """Trainable parameters in reverse registration order, packed into size-capped groups."""
     names = _names_by_param(module)
     params = [p for p in module.parameters() if p.requires_grad]
-    groups: list[list[tuple[list[str], nn.Parameter]]] = []
-    current: list[tuple[list[str], nn.Parameter]] = []
-    size = 0
-    for p in reversed(params):
-        if current and size + p.numel() > bucket_elements:
-            groups.append(current)
-            current, size = [], 0
-        current.append((names[id(p)], p))
-        size += p.numel()
-    if current:
-        groups.append(current)
-    return groups
+    named = [(names[id(p)], p) for p in reversed(params)]
+    return split_into_units(named, bucket_elements, opt_group)
 
 
 def build_unit(
@@ -120,6 +141,7 @@ def build_unit(
     dtype: torch.dtype,
     shard_world: int,
     shard_rank: int,
+    opt_group: int = 0,
 ) -> FlatUnit:
     """Copy a group's parameters into a fresh flat buffer and make them views of it."""
     device = group[0][1].device
@@ -133,7 +155,7 @@ def build_unit(
         slots.append(ParamSlot(names, p, offset, p.numel(), p.shape))
         offset += p.numel()
     flat = torch.zeros(padded_size(offset, shard_world), dtype=dtype, device=device)
-    unit = FlatUnit(index, slots, shard_world, shard_rank, flat)
+    unit = FlatUnit(index, slots, shard_world, shard_rank, flat, opt_group=opt_group)
     with torch.no_grad():
         for slot, view in zip(slots, unit.views_of(flat), strict=True):
             view.copy_(slot.param.detach())
@@ -147,8 +169,13 @@ def build_units(
     dtype: torch.dtype,
     shard_world: int,
     shard_rank: int,
+    opt_group: dict[int, int] | None = None,
 ) -> list[FlatUnit]:
-    groups = group_parameters(module, bucket_elements)
+    groups = group_parameters(module, bucket_elements, opt_group)
     if not groups:
         raise ValueError("the module has no trainable parameters (none with requires_grad)")
-    return [build_unit(i, g, dtype, shard_world, shard_rank) for i, g in enumerate(groups)]
+    group_of = opt_group or {}
+    return [
+        build_unit(i, g, dtype, shard_world, shard_rank, group_of.get(id(g[0][1]), 0))
+        for i, g in enumerate(groups)
+    ]

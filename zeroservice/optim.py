@@ -9,10 +9,20 @@ one factor ``clip / (N_d * scale)`` turns them into the mean gradient, unscaled 
 clipped, in a single pass. The global norm is summed over shards with one scalar
 all-reduce; a non-finite norm on any rank is then non-finite on all ranks, so every
 rank skips the same overflowed step.
+
+[Note: param groups]
+The factory is called once with the model's own trainable parameters (real or
+meta tensors, before any are released), so that it may build the usual groups
+(e.g. no weight decay for 1-D parameters) by looking at shapes. Each parameter's
+group is read off that optimizer; units never mix two groups (flat.py), and the
+real optimizer is rebuilt as ``type(opt)(groups, **opt.defaults)`` (the defaults
+its constructor accepts) with one group
+per user group, same hyperparameters, over the masters of that group's units.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,6 +63,65 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer: the factory must return a torch.optim.Optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def group_of_params(
+    factory: OptimizerFactory, params: list[tuple[str, nn.Parameter]]
+) -> tuple[torch.optim.Optimizer, dict[int, int]]:
+    """Call the factory with the model's trainable parameters and learn each one's group.
+
+    See [Note: param groups]. Returns the factory's optimizer (a template: only its
+    groups' hyperparameters are used) and, per parameter id, its group index.
+    """
+    template = check_optimizer(factory([p for _, p in params]))
+    names = {id(p): n for n, p in params}
+    group: dict[int, int] = {}
+    for i, g in enumerate(template.param_groups):
+        for p in g["params"]:
+            if id(p) in group:
+                raise ValueError(
+                    f"optimizer: parameter {names.get(id(p), '?')} is listed in param groups "
+                    f"{group[id(p)]} and {i}"
+                )
+            if id(p) not in names:
+                raise ValueError(
+                    "optimizer: the factory's param groups hold a tensor that is not one of "
+                    "the model's trainable parameters it was given"
+                )
+            group[id(p)] = i
+    missing = [n for n, p in params if id(p) not in group]
+    if missing:
+        raise ValueError(f"optimizer: the factory's param groups leave out {missing[:3]}")
+    return template, group
+
+
+def rebuild_over_masters(
+    template: torch.optim.Optimizer, units: list[FlatUnit], masters: list[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The template's class and groups, each group over the masters of its units."""
+    groups = [
+        {k: v for k, v in g.items() if k != "params"}
+        | {"params": [m for u, m in zip(units, masters, strict=True) if u.opt_group == i]}
+        for i, g in enumerate(template.param_groups)
+    ]
+    accepted = inspect.signature(type(template).__init__).parameters
+    defaults = {k: v for k, v in template.defaults.items() if k in accepted}
+    try:
+        return type(template)(groups, **defaults)
+    except TypeError as exc:
+        raise ValueError(
+            f"optimizer: cannot rebuild {type(template).__name__} over the engine's fp32 "
+            f"shards as type(opt)(param_groups, **opt.defaults): {exc}"
+        ) from exc
+
+
 class ShardedOptimizer:
     """Runs the user's optimizer on this rank's shards. See [Note: shard step]."""
 
@@ -68,7 +137,10 @@ class ShardedOptimizer:
         mp_comm: comm.Communicator | None = None,
         replicated: list[list[tuple[int, int]]] | None = None,
         offload: bool = False,
+        template: torch.optim.Optimizer | None = None,
     ):
+        """``template``: the factory's optimizer over the model's own parameters
+        (see [Note: param groups]); without it the factory is called with the masters."""
         self.units, self.policy, self.comm = units, policy, communicator
         self.mixed = mixed_precision
         self.dp_world = dp_world
@@ -78,17 +150,17 @@ class ShardedOptimizer:
         self.offload = offload
         self._host_grads: list[torch.Tensor] = []
         self.masters = [nn.Parameter(self._initial_master(u)) for u in units]
-        self.optimizer = factory(self.masters)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "optimizer: the factory must return a torch.optim.Optimizer, "
-                f"got {type(self.optimizer).__name__}"
-            )
+        if template is None:
+            template = factory(self.masters)
+            check_optimizer(template)
+            self.optimizer = template
+        else:
+            self.optimizer = rebuild_over_masters(template, units, self.masters)
         given = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         if given != {id(m) for m in self.masters}:
             raise ValueError(
                 "optimizer: the factory must build the optimizer over exactly the parameters "
-                "it is given (the engine's fp32 shards), not the model's own parameters"
+                "it is given"
             )
         if fuse:
             self.optimizer = fused_variant(self.optimizer)

@@ -179,12 +179,29 @@ def _check_optimizer(engine: Engine, manifest: dict[str, Any], directory: Path) 
         raise CheckpointMismatch(
             f"{directory}: optimizer states are {saved}'s; this engine runs {ours}"
         )
+    groups = manifest.get("optimizer", {}).get("param_groups")
+    mine = engine.optimizer.optimizer.param_groups
+    if groups is not None and len(groups) != len(mine):
+        raise CheckpointMismatch(
+            f"{directory}: optimizer param_groups: the checkpoint has {len(groups)} groups, "
+            f"this engine's optimizer factory builds {len(mine)}"
+        )
+
+
+def _restore_group_hyperparameters(engine: Engine, manifest: dict[str, Any]) -> None:
+    """Each group's saved scalars (lr, weight_decay, betas...) over the factory's."""
+    saved = manifest.get("optimizer", {}).get("param_groups") or []
+    for group, values in zip(engine.optimizer.optimizer.param_groups, saved, strict=False):
+        for key, value in values.items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
 def _apply(engine: Engine, plan: _Plan, reader: SegmentReader) -> None:
     for master in engine.optimizer.masters:
         master.data.zero_()  # padding stays zero
     plan.run(reader, apply=engine)
+    _restore_group_hyperparameters(engine, plan.manifest)
     scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
     for master in engine.optimizer.masters:
         state = engine.optimizer.optimizer.state[master]

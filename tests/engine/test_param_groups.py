@@ -1,0 +1,85 @@
+"""Two optimizer param groups (own lr and weight decay) train like DDP at every stage."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.engine.param_group_scenarios import (
+    GroupSpec,
+    load_groups,
+    mp_two_groups,
+    parity,
+    save_groups,
+    two_groups,
+)
+from zeroservice.launch import run_local
+from zeroservice.optim import group_of_params
+
+SPECS = {
+    **{f"adamw-stage{s}": GroupSpec(stage=s) for s in range(4)},
+    **{f"sgd-stage{s}": GroupSpec(stage=s, optimizer="sgd") for s in range(4)},
+    "adamw-offload-stage2": GroupSpec(stage=2, offload=True),
+}
+
+
+@functools.cache
+def _results() -> dict[str, dict]:
+    per_rank = run_local(parity, 2, list(SPECS.values()))
+    return dict(zip(SPECS, per_rank[0], strict=True))
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_two_groups_match_ddp(name):
+    r = _results()[name]
+    torch.testing.assert_close(
+        torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0
+    )
+    assert [wd for wd, _ in r["groups"]] == [0.1, 0.0]
+    assert r["mixed_units"] == 0
+    if SPECS[name].optimizer == "sgd":
+        for key, ref in r["ref_state"].items():
+            torch.testing.assert_close(r["state"][key], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("saved,loaded", [(1, 3), (3, 0), (2, 2)])
+def test_groups_survive_resharding(tmp_path, saved, loaded):
+    path = str(tmp_path / "ckpt")
+    before = run_local(save_groups, 2, GroupSpec(stage=saved, optimizer="sgd"), path)[0]
+    after = run_local(load_groups, 1, GroupSpec(stage=loaded, optimizer="sgd"), path)[0]
+    assert len(after) == len(before) == 2
+    for b, a in zip(before, after, strict=True):
+        assert (a["lr"], a["weight_decay"]) == (b["lr"], b["weight_decay"])
+        assert a["states"].keys() == b["states"].keys()
+        for key, value in b["states"].items():
+            torch.testing.assert_close(a["states"][key], value, rtol=0, atol=0)
+
+
+def _named(model):
+    return [(n, p) for n, p in model.named_parameters()]
+
+
+def test_groups_must_cover_every_parameter_once():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    ps = _named(model)
+    with pytest.raises(ValueError, match=r"leave out \['0.bias', '1.weight'"):
+        group_of_params(lambda _: torch.optim.SGD([ps[0][1]], lr=0.1), ps)
+
+    def twice(_):
+        opt = torch.optim.SGD([{"params": [ps[0][1]]}, {"params": [p for _, p in ps[1:]]}], lr=1)
+        opt.param_groups[1]["params"].append(ps[0][1])  # torch checks only at construction
+        return opt
+
+    with pytest.raises(ValueError, match="0.weight is listed in param groups 0 and 1"):
+        group_of_params(twice, ps)
+    _, group = group_of_params(two_groups("adamw"), ps)
+    assert [group[id(p)] for _, p in ps] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_two_groups_with_model_parallelism(stage):
+    """MP = 2 × DP = 1 trains like MP = 1 × DP = 2 with the same two groups."""
+    ref, tp = run_local(mp_two_groups, 2, [stage, stage], [1, 2])[0]
+    torch.testing.assert_close(torch.tensor(tp), torch.tensor(ref), rtol=1e-5, atol=0)
