@@ -30,6 +30,21 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
+def check_collectives(collectives: str, backend: str) -> None:
+    """Refuse ``collectives="ring"`` on NCCL.
+
+    The ring runs point-to-point sends on a background thread beside the main stream;
+    on NCCL that thread's kernels race the compute stream and the backend's own
+    reduce-scatter/all-gather are already fast, so there is nothing to gain.
+    """
+    _require(
+        not (collectives == "ring" and backend == "nccl"),
+        "collectives",
+        "'ring' is refused on the nccl backend (point-to-point sends on a background "
+        "thread beside the main stream); use 'auto' or 'native'",
+    )
+
+
 @dataclass
 class LossScaleConfig:
     """Dynamic loss scaling for fp16 (ignored by fp32 and bf16)."""

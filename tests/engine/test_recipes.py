@@ -1,0 +1,45 @@
+"""Runtime recipes: collectives per backend, a clean exit without close()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from zeroservice.config import ConfigError, check_collectives
+from zeroservice.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ring_refused_on_nccl_by_name():
+    with pytest.raises(ConfigError, match=r"^collectives: 'ring' is refused on the nccl"):
+        check_collectives("ring", "nccl")
+
+
+@pytest.mark.parametrize(
+    ("impl", "backend"), [("ring", "gloo"), ("auto", "nccl"), ("native", "nccl")]
+)
+def test_other_collectives_accepted(impl, backend):
+    check_collectives(impl, backend)
+
+
+def _launch_pair(_: int) -> tuple[int, int]:
+    """One 2-rank job of exit_script.py; both ranks' exit codes."""
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "tests.engine.exit_script"]
+    procs = [subprocess.Popen([*cmd, str(r), "2", port], cwd=ROOT, env=env) for r in range(2)]
+    codes = [p.wait(timeout=300) for p in procs]
+    return codes[0], codes[1]
+
+
+@pytest.mark.slow
+def test_exit_without_close_is_clean_50_times():
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        codes = list(pool.map(_launch_pair, range(50)))
+    assert codes == [(0, 0)] * 50
