@@ -149,6 +149,11 @@ class ZeroConfig:
     """How reduce-scatter and all-gather run: "native" (the backend's own ops), "ring"
     (point-to-point rings on a background thread), or "auto": rings on gloo, whose
     own ops are slow, native elsewhere (NCCL)."""
+    broadcast_buffers: bool = True
+    """Before every forward, copy the module's buffers (BatchNorm running statistics)
+    from rank 0 to every rank, as DDP does by default: ranks then agree on them and a
+    run matches DDP's. False keeps each rank's own buffers (one broadcast fewer per
+    forward; right for models whose buffers are constants)."""
     fuse_optimizer: bool = True
     """When the factory returns torch's Adam or AdamW with neither ``foreach`` nor
     ``fused`` chosen, rebuild it with ``fused=True``: one pass over each flat shard
@@ -244,6 +249,7 @@ class ZeroConfig:
             "cpu_offload_activations",
             "contiguous_activations",
             "offload_optimizer",
+            "broadcast_buffers",
         ):
             _require(isinstance(getattr(self, name), bool), name, "must be true or false")
         for name in ("partition_activations", "cpu_offload_activations"):

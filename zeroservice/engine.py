@@ -225,11 +225,18 @@ class Engine:
 
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.config.broadcast_buffers:
+            self._broadcast_buffers()
         if self.gatherer is not None and torch.is_grad_enabled():
             g = self.gatherer
             with torch.autograd.graph.saved_tensors_hooks(g.pack, g.unpack):
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank before a forward (DDP's broadcast_buffers)."""
+        if self.dp_world > 1:
+            comm.wait_all([self.comm.broadcast(b, "buffers") for b in self.module.buffers()])
 
     @property
     def loss_scale(self) -> float:

@@ -1,7 +1,9 @@
-"""Runtime recipes: collectives per backend, a clean exit without close()."""
+"""Runtime recipes: buffers broadcast as DDP does, collectives per backend, a clean exit
+without close()."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -9,9 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.engine.recipe_scenarios import batchnorm_vs_ddp
 from zeroservice.config import ConfigError, check_collectives
-from zeroservice.launch import free_port
+from zeroservice.launch import free_port, run_local
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,3 +47,22 @@ def test_exit_without_close_is_clean_50_times():
     with ThreadPoolExecutor(max_workers=10) as pool:
         codes = list(pool.map(_launch_pair, range(50)))
     assert codes == [(0, 0)] * 50
+
+
+@functools.cache
+def _batchnorm():
+    return run_local(batchnorm_vs_ddp, 2, [0, 1, 2, 3], timeout_s=300)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_batchnorm_buffers_match_ddp(stage):
+    ranks = _batchnorm()
+    r = ranks[0][stage]
+    torch.testing.assert_close(
+        torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0
+    )
+    for rank in ranks:
+        ours = rank[stage]
+        assert ours["buffers"].keys() == ours["ref_buffers"].keys()
+        for name, ref in ours["ref_buffers"].items():
+            torch.testing.assert_close(ours["buffers"][name], ref, rtol=1e-5, atol=1e-6, msg=name)
