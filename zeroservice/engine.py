@@ -312,6 +312,11 @@ class Engine:
                 return None
             return expected_model_state_bytes(stage, precision, psi, n_d, k, offload)
 
+        comm_buffers = (
+            self.reducer.pool.resident_bytes
+            + self.comm.buffer_bytes()
+            + (self.gatherer.cached_bytes if self.gatherer else 0)
+        )
         return MemoryLedger(
             stage=stage,
             precision=precision,
@@ -323,9 +328,8 @@ class Engine:
             master=self.optimizer.master_bytes(),
             optimizer_states=tensor_bytes(big),
             optimizer_other=tensor_bytes(small),
-            comm_buffers=self.reducer.pool.resident_bytes
-            + self.comm.buffer_bytes()
-            + (self.gatherer.cached_bytes if self.gatherer else 0),
+            comm_buffers=comm_buffers,
+            comm_buffers_peak=comm_buffers + self.reducer.pool.temporary_peak,
             comm_buffer_largest=max(
                 self.reducer.pool.buffer_bytes,
                 self.comm.buffer_bytes(),

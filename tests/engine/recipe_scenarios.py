@@ -78,3 +78,29 @@ def _batchnorm_at(stage: int, steps: int) -> dict:
         "buffers": {k: v.clone() for k, v in model.named_buffers()},
         "ref_buffers": {k: v.clone() for k, v in ref.named_buffers()},
     }
+
+
+def stage2_staging(overlaps: list[bool], steps: int = 2) -> list[dict]:
+    """Stage 2 with and without overlap: staging buffers and their peak, per mode."""
+    return [_stage2_staging_at(overlap, steps) for overlap in overlaps]
+
+
+def _stage2_staging_at(overlap: bool, steps: int) -> dict:
+    torch.manual_seed(5)
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(6)))  # 6 units of 1056
+    engine = zeroservice.initialize(
+        model,
+        ZeroConfig(stage=2, bucket_elements=2048, overlap_comm=overlap),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+    )
+    for step in range(steps):
+        x = _batch(step, dist.get_rank(), 32)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    ledger = engine.memory_ledger()
+    return {
+        "units": len(engine.units),
+        "overflows": engine.reducer.pool.overflows,
+        "comm_buffers": ledger.comm_buffers,
+        "comm_buffers_peak": ledger.comm_buffers_peak,
+    }

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.recipe_scenarios import batchnorm_vs_ddp
+from tests.engine.recipe_scenarios import batchnorm_vs_ddp, stage2_staging
 from zeroservice.config import ConfigError, check_collectives
 from zeroservice.launch import free_port, run_local
 
@@ -66,3 +66,13 @@ def test_batchnorm_buffers_match_ddp(stage):
         assert ours["buffers"].keys() == ours["ref_buffers"].keys()
         for name, ref in ours["ref_buffers"].items():
             torch.testing.assert_close(ours["buffers"][name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stage2_stages_in_constant_buffers_in_every_mode(overlap):
+    r = run_local(stage2_staging, 2, [overlap], timeout_s=300)[0][0]
+    # The largest unit holds 1088 elements (under C_B = 2048): two staging buffers of
+    # it and the ring's scratch of 1088 / N, in fp32; no temporary buffer, so no peak
+    # above that (staging units in new buffers until backward ends peaked at 28288).
+    assert r["overflows"] == 0
+    assert r["comm_buffers"] == r["comm_buffers_peak"] == 2 * 1088 * 4 + 544 * 4
