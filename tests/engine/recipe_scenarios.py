@@ -104,3 +104,39 @@ def _stage2_staging_at(overlap: bool, steps: int) -> dict:
         "comm_buffers": ledger.comm_buffers,
         "comm_buffers_peak": ledger.comm_buffers_peak,
     }
+
+
+def compiled_blocks_vs_ddp(stages: list[int], steps: int = 3) -> list[dict]:
+    """Each block compiled (``aot_eager``: inductor's C++ build is too slow for tests)
+    before initialize; losses of the engine and of DDP over the same compiled blocks."""
+    return [_compiled_at(stage, steps) for stage in stages]
+
+
+def _compiled_at(stage: int, steps: int) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(5)
+    model = _Norms()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        for block in m.blocks:
+            block.compile(backend="aot_eager")
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = zeroservice.initialize(
+        model,
+        ZeroConfig(stage=stage, bucket_elements=1024),
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    )
+    losses, ref_losses = [], []
+    for step in range(steps):
+        x = _batch(step, rank)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(_mean_over_ranks(loss.item()))
+        ref_loss = ddp(x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(_mean_over_ranks(ref_loss.item()))
+    return {"losses": losses, "ref_losses": ref_losses}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.recipe_scenarios import batchnorm_vs_ddp, stage2_staging
+from tests.engine.recipe_scenarios import batchnorm_vs_ddp, compiled_blocks_vs_ddp, stage2_staging
 from zeroservice.config import ConfigError, check_collectives
 from zeroservice.launch import free_port, run_local
 
@@ -76,3 +76,16 @@ def test_stage2_stages_in_constant_buffers_in_every_mode(overlap):
     # above that (staging units in new buffers until backward ends peaked at 28288).
     assert r["overflows"] == 0
     assert r["comm_buffers"] == r["comm_buffers_peak"] == 2 * 1088 * 4 + 544 * 4
+
+
+@functools.cache
+def _compiled():
+    return run_local(compiled_blocks_vs_ddp, 2, [0, 1, 2, 3], timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_compiled_blocks_match_ddp(stage):
+    r = _compiled()[stage]
+    torch.testing.assert_close(
+        torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0
+    )
