@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .config import check_collectives
 from .ring import RingComm
 
 _VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
@@ -167,6 +168,7 @@ class Communicator:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
+        check_collectives(impl, self.backend)
         use_ring = impl == "ring" or (impl == "auto" and self.backend == "gloo")
         self.ring = RingComm(group, ring_chunk) if use_ring and self.world > 1 else None
 

@@ -30,6 +30,21 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
+def check_collectives(collectives: str, backend: str) -> None:
+    """Refuse ``collectives="ring"`` on NCCL.
+
+    The ring runs point-to-point sends on a background thread beside the main stream;
+    on NCCL that thread's kernels race the compute stream and the backend's own
+    reduce-scatter/all-gather are already fast, so there is nothing to gain.
+    """
+    _require(
+        not (collectives == "ring" and backend == "nccl"),
+        "collectives",
+        "'ring' is refused on the nccl backend (point-to-point sends on a background "
+        "thread beside the main stream); use 'auto' or 'native'",
+    )
+
+
 @dataclass
 class LossScaleConfig:
     """Dynamic loss scaling for fp16 (ignored by fp32 and bf16)."""
@@ -134,6 +149,11 @@ class ZeroConfig:
     """How reduce-scatter and all-gather run: "native" (the backend's own ops), "ring"
     (point-to-point rings on a background thread), or "auto": rings on gloo, whose
     own ops are slow, native elsewhere (NCCL)."""
+    broadcast_buffers: bool = True
+    """Before every forward, copy the module's buffers (BatchNorm running statistics)
+    from rank 0 to every rank, as DDP does by default: ranks then agree on them and a
+    run matches DDP's. False keeps each rank's own buffers (one broadcast fewer per
+    forward; right for models whose buffers are constants)."""
     fuse_optimizer: bool = True
     """When the factory returns torch's Adam or AdamW with neither ``foreach`` nor
     ``fused`` chosen, rebuild it with ``fused=True``: one pass over each flat shard
@@ -229,6 +249,7 @@ class ZeroConfig:
             "cpu_offload_activations",
             "contiguous_activations",
             "offload_optimizer",
+            "broadcast_buffers",
         ):
             _require(isinstance(getattr(self, name), bool), name, "must be true or false")
         for name in ("partition_activations", "cpu_offload_activations"):

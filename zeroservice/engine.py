@@ -234,11 +234,18 @@ class Engine:
 
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.config.broadcast_buffers:
+            self._broadcast_buffers()
         if self.gatherer is not None and torch.is_grad_enabled():
             g = self.gatherer
             with torch.autograd.graph.saved_tensors_hooks(g.pack, g.unpack):
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank before a forward (DDP's broadcast_buffers)."""
+        if self.dp_world > 1:
+            comm.wait_all([self.comm.broadcast(b, "buffers") for b in self.module.buffers()])
 
     @property
     def loss_scale(self) -> float:
@@ -314,6 +321,11 @@ class Engine:
                 return None
             return expected_model_state_bytes(stage, precision, psi, n_d, k, offload)
 
+        comm_buffers = (
+            self.reducer.pool.resident_bytes
+            + self.comm.buffer_bytes()
+            + (self.gatherer.cached_bytes if self.gatherer else 0)
+        )
         return MemoryLedger(
             stage=stage,
             precision=precision,
@@ -325,9 +337,8 @@ class Engine:
             master=self.optimizer.master_bytes(),
             optimizer_states=tensor_bytes(big),
             optimizer_other=tensor_bytes(small),
-            comm_buffers=self.reducer.pool.resident_bytes
-            + self.comm.buffer_bytes()
-            + (self.gatherer.cached_bytes if self.gatherer else 0),
+            comm_buffers=comm_buffers,
+            comm_buffers_peak=comm_buffers + self.reducer.pool.temporary_peak,
             comm_buffer_largest=max(
                 self.reducer.pool.buffer_bytes,
                 self.comm.buffer_bytes(),

@@ -14,7 +14,9 @@ before the reduction. Stages 2 and 3 keep only the shard: each parameter's gradi
 is copied into a staging buffer as it arrives and released at once; the
 reduce-scatter output is copied into the resident shard on the first micro-batch and
 added to it on the next ones. A unit larger than C_B is not staged whole: see
-[Note: constant buffers]. At most two staging buffers are in flight.
+[Note: constant buffers]. At most two staging buffers are in flight; without
+``overlap_comm`` each reduction is still launched as soon as its unit is ready (so
+units never wait in buffers of their own), then waited for at once.
 
 [Note: constant buffers]
 Every staging buffer holds C_B = ``bucket_elements`` rounded up to a multiple of N
@@ -74,6 +76,10 @@ class BufferPool:
         self.buffer_bytes = max((b.numel() * b.element_size() for b in self._free), default=0)
         """Bytes of one buffer (0 when the pool holds none)."""
         self.overflows = 0
+        self.temporary_bytes = 0
+        """Bytes of temporary buffers alive now."""
+        self.temporary_peak = 0
+        """The most temporary bytes alive at once: the ledger adds it to the pool's."""
 
     def try_acquire(self) -> torch.Tensor | None:
         return self._free.pop() if self._free else None
@@ -81,10 +87,15 @@ class BufferPool:
     def acquire_temporary(self) -> torch.Tensor:
         numel, dtype, device = self._shape
         self.overflows += 1
-        return torch.empty(numel, dtype=dtype, device=device)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.temporary_bytes += buffer.numel() * buffer.element_size()
+        self.temporary_peak = max(self.temporary_peak, self.temporary_bytes)
+        return buffer
 
     def release(self, buffer: torch.Tensor, temporary: bool) -> None:
-        if not temporary:
+        if temporary:
+            self.temporary_bytes -= buffer.numel() * buffer.element_size()
+        else:
             self._free.append(buffer)
 
 
@@ -226,8 +237,10 @@ class GradReducer:
             self.stage_grad(unit, slot_index, param.grad)
             param.grad = None
         self._ready[unit.index] += 1
-        if self.overlap:
-            self._launch_ready()
+        self._launch_ready()
+        if not self.overlap:  # wait now: backward does not run beside a reduction
+            while self._inflight:
+                self._complete_oldest()
 
     def stage_grad(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Copy one gradient into the unit's staging buffer (added if already staged).

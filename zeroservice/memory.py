@@ -132,6 +132,9 @@ class MemoryLedger:
     """The most checkpointed-activation bytes held at once since the last reset."""
     activation_arena: int = 0
     """Bytes of the contiguous checkpoint arena (M_D), whatever it holds now."""
+    comm_buffers_peak: int = 0
+    """The most communication-buffer bytes held at once: ``comm_buffers`` plus the
+    temporary staging buffers alive together (gradients arriving out of unit order)."""
 
     @property
     def host_bytes(self) -> int:

@@ -25,6 +25,7 @@ of a single pass. All-gather receives straight into the buffer and needs no scra
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -49,6 +50,9 @@ class RingComm:
         self.next = global_rank((self.rank + 1) % self.world)
         self.prev = global_rank((self.rank - 1) % self.world)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroservice-ring")
+        # A script that never calls engine.close() still stops and joins the thread at
+        # interpreter exit, before torch.distributed's own teardown.
+        self._stop = weakref.finalize(self, self._pool.shutdown, wait=True)
         self._scratch: torch.Tensor | None = None
 
     @property
@@ -73,7 +77,7 @@ class RingComm:
         return self._pool.submit(self._all_gather, buffer)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._stop()
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         reqs = [
