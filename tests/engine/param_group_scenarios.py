@@ -158,7 +158,8 @@ def load_groups(spec: GroupSpec, path: str) -> list[dict]:
 
 def mp_two_groups(stages: list[int], mps: list[int]) -> list[list[float]]:
     """Per-step losses of the two-group AdamW at each (stage, MP degree)."""
-    from tests.engine.mp_scenarios import TINY_MP, MPSpec, _dp_mean, batches
+    from tests.engine import harness
+    from tests.engine.mp_scenarios import TINY_MP, MPSpec, batches
     from zeroservice.tensor_parallel import MPGroup
 
     out = []
@@ -175,7 +176,7 @@ def mp_two_groups(stages: list[int], mps: list[int]) -> list[list[float]]:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            losses.append(_dp_mean(loss.item(), topo))
+            losses.append(harness.mean_over_ranks(loss.item(), topo.dp_group))
         engine.close()
         out.append(losses)
     return out

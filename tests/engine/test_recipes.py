@@ -44,7 +44,7 @@ def _launch_pair(_: int) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_exit_without_close_is_clean_50_times():
-    with ThreadPoolExecutor(max_workers=10) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         codes = list(pool.map(_launch_pair, range(50)))
     assert codes == [(0, 0)] * 50
 

@@ -16,7 +16,16 @@ def local_ray(tmp_path_factory):
     from workers.cluster import start_local_ray
 
     workdir = tempfile.mkdtemp(prefix="zs-")  # Ray's socket paths must stay short
-    start_local_ray(num_cpus=4, workdir=workdir, num_gpus=2)  # GPUs declared, absent
+    for attempt in (1, 2):
+        try:
+            start_local_ray(num_cpus=4, workdir=workdir, num_gpus=2)  # GPUs declared, absent
+            break
+        except RuntimeError as exc:
+            # Right after another module's Ray shut down, a loaded machine can miss
+            # Ray's start-up deadline ("Timed out waiting for file ..."): start again.
+            if attempt == 2 or "Timed out waiting" not in str(exc):
+                raise
+            ray.shutdown()
     yield ray
     ray.shutdown()
     shutil.rmtree(workdir, ignore_errors=True)
