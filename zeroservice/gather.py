@@ -294,7 +294,7 @@ class ParamGatherer:
         self._request(index, "backward" if self._in_backward else "forward")
         if graph is None:
             graph = torch.is_grad_enabled()
-        if graph:
+        if graph and not self.units[index].frozen:  # a frozen unit has no gradient node
             self._expected[index] += 1
             self._views[index] = _GatherUnit.apply(self, index, self._anchor)
         else:
