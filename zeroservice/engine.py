@@ -26,6 +26,7 @@ from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_m
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .gather import BufferCache, ParamGatherer
+from .gather_check import GatherCheck
 from .hooks import GradReducer
 from .memory import (
     MemoryLedger,
@@ -188,6 +189,7 @@ class Engine:
                 cache,
                 prefetch_elements=config.stage3_prefetch_elements,
                 persistence_elements=config.stage3_persistence_elements,
+                check=GatherCheck(group, self.units) if config.stage3_check_gathers else None,
             )
         self.optimizer = ShardedOptimizer(
             self.trainable_units,
