@@ -9,6 +9,7 @@ pydantic job spec).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -177,6 +178,14 @@ class ZeroConfig:
     all-gather per step instead of two). At the default (64 Ki elements, 128 KiB in
     bf16) a unit's gather is latency-bound, so keeping it costs little memory and
     saves two collective launches per step."""
+    stage3_check_gathers: bool = field(
+        default_factory=lambda: os.environ.get("ZEROSERVICE_CHECK_GATHERS", "") == "1"
+    )
+    """Stage 3 debug mode: before each gather, every rank confirms (one small all-reduce
+    on a group of its own) that all ranks gather the same unit, and raises naming each
+    rank's unit when they do not (rank-divergent control flow would otherwise hand a
+    rank another unit's shard of the same size). Off by default (one extra collective
+    per gather); ``ZEROSERVICE_CHECK_GATHERS=1`` turns it on (the test suite does)."""
     activation_checkpointing: bool = False
     """Checkpoint every item of every nn.ModuleList (the transformer blocks): forward
     keeps only each block's input and backward recomputes the block."""

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .flat import FlatUnit, ParamSlot, padded_size, split_into_units
+from .flat import FlatUnit, ParamSlot, frozen_key, padded_size, split_into_units
 from .partition import NamedParams
 
 ModuleInit = Callable[[str, nn.Module], None]
@@ -84,23 +84,29 @@ def partitioned_units(
     Returns the units and, per group, the indices of its units.
     """
     units: list[FlatUnit] = []
-    per_group: list[list[int]] = []
-    group_of = opt_group or {}
-    for params in groups:
-        indices: list[int] = []
-        for chunk in split_into_units(params, bucket_elements, opt_group):
-            slots, offset = [], 0
-            for chunk_names, q in chunk:
-                slots.append(ParamSlot(chunk_names, q, offset, q.numel(), q.shape))
-                offset += q.numel()
-            shard = torch.zeros(padded_size(offset, world) // world, dtype=dtype, device=device)
-            indices.append(len(units))
-            opt = group_of.get(id(chunk[0][1]), 0)
-            units.append(
-                FlatUnit(len(units), slots, world, rank, shard, partitioned=True, opt_group=opt)
-            )
-        per_group.append(indices)
+    per_group: list[list[int]] = [[] for _ in groups]
+    # Trainable units first, then frozen ones: see [Note: frozen units] in flat.py.
+    for frozen in (False, True):
+        for params, indices in zip(groups, per_group, strict=True):
+            mine = [(n, p) for n, p in params if p.requires_grad != frozen]
+            keys = frozen_key(opt_group, mine)
+            for chunk in split_into_units(mine, bucket_elements, keys):
+                indices.append(len(units))
+                units.append(_empty_unit(len(units), chunk, dtype, world, rank, device, keys))
     return units, per_group
+
+
+def _empty_unit(index, chunk: NamedParams, dtype, world, rank, device, keys) -> FlatUnit:
+    slots, offset = [], 0
+    for names, q in chunk:
+        slots.append(ParamSlot(names, q, offset, q.numel(), q.shape))
+        offset += q.numel()
+    shard = torch.zeros(padded_size(offset, world) // world, dtype=dtype, device=device)
+    frozen = not chunk[0][1].requires_grad
+    opt = 0 if frozen else keys.get(id(chunk[0][1]), 0)
+    return FlatUnit(
+        index, slots, world, rank, shard, partitioned=True, opt_group=opt, frozen=frozen
+    )
 
 
 def _copy_overlap(unit: FlatUnit, slot: ParamSlot, values: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_m
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .gather import BufferCache, ParamGatherer
+from .gather_check import GatherCheck
 from .hooks import GradReducer
 from .memory import (
     MemoryLedger,
@@ -153,6 +154,9 @@ class Engine:
                 opt_group,
             )
             self._sync_initial_state(params=not isinstance(init, str | os.PathLike))
+        self.trainable_units = [u for u in self.units if not u.frozen]
+        """The prefix of ``units`` that trains (see [Note: frozen units] in flat.py)."""
+        assert all(a is b for a, b in zip(self.units, self.trainable_units, strict=False))
         grad_comm_dtype = reduce_dtype(config.precision, config.reduce_dtype)
         if self.comm.ring is not None:
             largest_shard = max(u.shard_numel for u in self.units)
@@ -164,7 +168,7 @@ class Engine:
             limit = max(config.stage3_prefetch_elements, 2 * largest)
             cache = BufferCache(dtype, self.units[0].flat.device, limit)
         self.reducer = GradReducer(
-            self.units,
+            self.trainable_units,
             self.policy,
             grad_dtype=dtype,
             comm_dtype=grad_comm_dtype,
@@ -185,9 +189,10 @@ class Engine:
                 cache,
                 prefetch_elements=config.stage3_prefetch_elements,
                 persistence_elements=config.stage3_persistence_elements,
+                check=GatherCheck(group, self.units) if config.stage3_check_gathers else None,
             )
         self.optimizer = ShardedOptimizer(
-            self.units,
+            self.trainable_units,
             self.policy,
             mixed_precision=dtype != torch.float32,
             factory=optimizer,
@@ -195,7 +200,7 @@ class Engine:
             dp_world=self.dp_world,
             fuse=config.fuse_optimizer,
             mp_comm=self.mp.comm if self.mp is not None else None,
-            replicated=[_replicated_ranges(u, sharded_names) for u in self.units],
+            replicated=[_replicated_ranges(u, sharded_names) for u in self.trainable_units],
             offload=config.offload_optimizer,
             template=template,
         )
@@ -305,13 +310,14 @@ class Engine:
     # -- ledgers ----------------------------------------------------------------------
     @property
     def psi(self) -> int:
-        return sum(u.numel for u in self.units)
+        return sum(u.numel for u in self.trainable_units)
 
     def memory_ledger(self) -> MemoryLedger:
         """Bytes this rank holds, by kind, beside the paper's formula."""
         big, small = optimizer_state_tensors(self.optimizer.optimizer)
         k = optimizer_state_bytes_per_param(self.optimizer.optimizer)
-        psi_padded = sum(u.padded_numel for u in self.units)
+        psi_padded = sum(u.padded_numel for u in self.trainable_units)
+        frozen = [u for u in self.units if u.frozen]
         stage, precision, n_d = self.config.stage, self.config.precision, self.dp_world
         offload = self.config.offload_optimizer
         acts = self.activations
@@ -332,7 +338,9 @@ class Engine:
             n_d=n_d,
             psi=self.psi,
             psi_padded=psi_padded,
-            params=tensor_bytes(u.flat for u in self.units),
+            params=tensor_bytes(u.flat for u in self.trainable_units),
+            frozen=tensor_bytes(u.flat for u in frozen),
+            frozen_psi=sum(u.numel for u in frozen),
             grads=self.reducer.resident_bytes(),
             master=self.optimizer.master_bytes(),
             optimizer_states=tensor_bytes(big),

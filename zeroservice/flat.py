@@ -15,6 +15,14 @@ two optimizer param groups (see [Note: param groups] in optim.py). Communication
 buffers stay at the constant size all the same: a unit above the cap has its
 gradient reduced in pieces (see [Note: constant buffers] in hooks.py).
 
+[Note: frozen units]
+Parameters with ``requires_grad=False`` (a frozen base under adapters) live in units
+of their own, after every trainable unit, so that the trainable units are the prefix
+``units[:T]`` the reducer and the optimizer work on. A frozen unit is broadcast at the
+start, saved, resharded and exported like any unit, and at stage 3 partitioned and
+gathered like any unit; it has no gradient buffer, no master, no optimizer state and
+takes part in no gradient collective. The ledger counts its bytes as ``frozen``.
+
 At stage 3 a unit is *partitioned*: ``flat`` holds only this rank's shard, and the
 whole buffer exists only while the unit is gathered (gather.py).
 """
@@ -52,6 +60,8 @@ class FlatUnit:
     opt_group: int = 0
     """The optimizer param group of every parameter in this unit (see [Note: param groups]
     in optim.py): a unit never mixes two groups."""
+    frozen: bool = False
+    """Its parameters have ``requires_grad=False``: see [Note: frozen units]."""
 
     @property
     def numel(self) -> int:
@@ -120,6 +130,18 @@ def split_into_units(
     return chunks
 
 
+def frozen_key(opt_group: dict[int, int] | None, params) -> dict[int, int]:
+    """``opt_group`` with every frozen parameter in a group of its own (-1), so that
+    ``split_into_units`` never puts frozen and trainable parameters in one unit."""
+    keys = dict(opt_group or {})
+    keys.update({id(p): FROZEN for _, p in params if not p.requires_grad})
+    return keys
+
+
+FROZEN = -1
+"""The group key of frozen parameters in ``split_into_units``."""
+
+
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The module's trainable parameters (each once) with their first name."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -128,11 +150,16 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def group_parameters(
     module: nn.Module, bucket_elements: int, opt_group: dict[int, int] | None = None
 ) -> list[list[tuple[list[str], nn.Parameter]]]:
-    """Trainable parameters in reverse registration order, packed into size-capped groups."""
+    """Parameters in reverse registration order, packed into size-capped groups: the
+    trainable ones first, then the frozen ones (see [Note: frozen units])."""
     names = _names_by_param(module)
-    params = [p for p in module.parameters() if p.requires_grad]
-    named = [(names[id(p)], p) for p in reversed(params)]
-    return split_into_units(named, bucket_elements, opt_group)
+    params = list(module.parameters())
+    trainable = [(names[id(p)], p) for p in reversed(params) if p.requires_grad]
+    frozen = [(names[id(p)], p) for p in reversed(params) if not p.requires_grad]
+    keys = frozen_key(opt_group, frozen)
+    return split_into_units(trainable, bucket_elements, keys) + split_into_units(
+        frozen, bucket_elements, keys
+    )
 
 
 def build_unit(
@@ -142,6 +169,7 @@ def build_unit(
     shard_world: int,
     shard_rank: int,
     opt_group: int = 0,
+    frozen: bool = False,
 ) -> FlatUnit:
     """Copy a group's parameters into a fresh flat buffer and make them views of it."""
     device = group[0][1].device
@@ -155,7 +183,7 @@ def build_unit(
         slots.append(ParamSlot(names, p, offset, p.numel(), p.shape))
         offset += p.numel()
     flat = torch.zeros(padded_size(offset, shard_world), dtype=dtype, device=device)
-    unit = FlatUnit(index, slots, shard_world, shard_rank, flat, opt_group=opt_group)
+    unit = FlatUnit(index, slots, shard_world, shard_rank, flat, opt_group=opt_group, frozen=frozen)
     with torch.no_grad():
         for slot, view in zip(slots, unit.views_of(flat), strict=True):
             view.copy_(slot.param.detach())
@@ -172,10 +200,18 @@ def build_units(
     opt_group: dict[int, int] | None = None,
 ) -> list[FlatUnit]:
     groups = group_parameters(module, bucket_elements, opt_group)
-    if not groups:
+    if not any(p.requires_grad for g in groups for _, p in g):
         raise ValueError("the module has no trainable parameters (none with requires_grad)")
     group_of = opt_group or {}
     return [
-        build_unit(i, g, dtype, shard_world, shard_rank, group_of.get(id(g[0][1]), 0))
+        build_unit(
+            i,
+            g,
+            dtype,
+            shard_world,
+            shard_rank,
+            group_of.get(id(g[0][1]), 0),
+            frozen=not g[0][1].requires_grad,
+        )
         for i, g in enumerate(groups)
     ]

@@ -46,6 +46,7 @@ from torch import nn
 
 from . import comm
 from .flat import FlatUnit
+from .gather_check import GatherCheck
 from .hooks import GradReducer
 
 
@@ -182,8 +183,11 @@ class ParamGatherer:
         cache: BufferCache,
         prefetch_elements: int,
         persistence_elements: int,
+        check: GatherCheck | None = None,
     ):
         self.root, self.units, self.comm, self.reducer = root, units, communicator, reducer
+        self.check = check
+        """Debug consensus on every gather (see gather_check.py), or None."""
         self.prefetch_elements = prefetch_elements
         self.dtype = units[0].flat.dtype
         self.element_size = units[0].flat.element_size()
@@ -294,7 +298,7 @@ class ParamGatherer:
         self._request(index, "backward" if self._in_backward else "forward")
         if graph is None:
             graph = torch.is_grad_enabled()
-        if graph:
+        if graph and not self.units[index].frozen:  # a frozen unit has no gradient node
             self._expected[index] += 1
             self._views[index] = _GatherUnit.apply(self, index, self._anchor)
         else:
@@ -372,6 +376,8 @@ class ParamGatherer:
 
     # -- gathering ------------------------------------------------------------------
     def _gather_into(self, index: int, buffer: torch.Tensor, tag: str = "params") -> comm.Pending:
+        if self.check is not None:
+            self.check.agree(index)
         self.comm.chunk(buffer).copy_(self.units[index].flat)
         return self.comm.all_gather(buffer, tag)
 

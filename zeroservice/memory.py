@@ -135,6 +135,12 @@ class MemoryLedger:
     comm_buffers_peak: int = 0
     """The most communication-buffer bytes held at once: ``comm_buffers`` plus the
     temporary staging buffers alive together (gradients arriving out of unit order)."""
+    frozen: int = 0
+    """Resident bytes of frozen (``requires_grad=False``) parameters: 2 or 4 bytes per
+    element of their padded units, /N_d at stage 3. No gradient, master or optimizer
+    state exists for them; they are not part of ``model_states`` or Ψ."""
+    frozen_psi: int = 0
+    """Frozen parameters of the model (Ψ_f)."""
 
     @property
     def host_bytes(self) -> int:
@@ -152,7 +158,13 @@ class MemoryLedger:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.optimizer_other + self.comm_buffers + self.gathered_params
+        return (
+            self.model_states
+            + self.frozen
+            + self.optimizer_other
+            + self.comm_buffers
+            + self.gathered_params
+        )
 
     def as_dict(self) -> dict[str, int | str | None]:
         out = asdict(self)

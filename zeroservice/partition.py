@@ -28,11 +28,12 @@ class Group:
     """Qualified name of the module ("" for the root)."""
     module: nn.Module
     params: NamedParams
-    """Owned trainable parameters in registration order, each with all its names."""
+    """Owned parameters (trainable and frozen) in registration order, each with all its
+    names."""
 
 
 def _param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return sum(p.numel() for p in module.parameters())
 
 
 def _contains_list(module: nn.Module) -> bool:
@@ -113,8 +114,6 @@ def build_groups(root: nn.Module, grouping: str, limit: int) -> list[Group]:
     seen: dict[int, list[str]] = {}
     order: list[tuple[str, nn.Parameter]] = []
     for qual, p in root.named_parameters(remove_duplicate=False):
-        if not p.requires_grad:
-            continue
         if id(p) not in seen:
             seen[id(p)] = []
             order.append((qual, p))

@@ -524,7 +524,8 @@ def unit_sizes_for_module(
     bucket_elements: int = 2**23,
     stage3_grouping: str = "blocks",
 ) -> list[tuple[int, int]]:
-    """(elements, padded elements) of every unit the engine would form for ``module``.
+    """(elements, padded elements) of every trainable unit the engine would form for
+    ``module`` (frozen units hold no gradient, master or optimizer state).
 
     Stages 0-2: flat.group_parameters, each unit padded to a multiple of N_d (stage 0
     shards over one rank: no padding). Stage 3: construct.partitioned_units over
@@ -543,7 +544,8 @@ def unit_sizes_for_module(
     _check_int("bucket_elements", bucket_elements, 1)
     if stage < 3:
         world = dp if stage > 0 else 1
-        sizes = [sum(p.numel() for _, p in g) for g in group_parameters(module, bucket_elements)]
+        trainable = [g for g in group_parameters(module, bucket_elements) if g[0][1].requires_grad]
+        sizes = [sum(p.numel() for _, p in g) for g in trainable]
         return [(n, padded_size(n, world)) for n in sizes]
     if stage3_grouping not in ("blocks", "size"):
         raise PlanError(f"stage3_grouping: {stage3_grouping!r} is not 'blocks' or 'size'")
@@ -556,7 +558,7 @@ def unit_sizes_for_module(
         0,
         torch.device("meta"),
     )
-    return [(u.numel, u.padded_numel) for u in units]
+    return [(u.numel, u.padded_numel) for u in units if not u.frozen]
 
 
 def model_state_bytes_for_module(

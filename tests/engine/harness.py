@@ -215,7 +215,7 @@ def gradient_ratio(engine, ref_grads: dict[str, torch.Tensor]) -> float:
     """Worst ratio over this rank's reduced gradients (see [Note: what parity compares])."""
     divisor = engine.dp_world * engine.loss_scale
     worst = 0.0
-    for unit, shard in zip(engine.units, engine.reducer.grad_shards(), strict=True):
+    for unit, shard in zip(engine.trainable_units, engine.reducer.grad_shards(), strict=True):
         for names, start, values in unit_gradient_slices(engine, unit, shard):
             ref = next((ref_grads[n] for n in names if n in ref_grads), None)
             if ref is None:
@@ -234,7 +234,7 @@ def master_drift(
     engine follows the reference; the second near 1 when its weights moved as far (an
     engine that never updated gives 1 and 0)."""
     off = moved = update = 0.0
-    for unit, master in zip(engine.units, engine.optimizer.masters, strict=True):
+    for unit, master in zip(engine.trainable_units, engine.optimizer.masters, strict=True):
         for names, start, values in unit_gradient_slices(engine, unit, master.detach()):
             name = next(n for n in names if n in reference)
             n = values.numel()

@@ -320,3 +320,31 @@ def error_message(case: str, path: str = "") -> str:
     except Exception as exc:  # the test asserts on type and message
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+class _SkipsABlock(nn.Module):
+    """Three blocks of one size; a forward may skip the middle one."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (skip and i == 1):
+                x = torch.tanh(block(x))
+        return x.pow(2).mean()
+
+
+def divergent_control_flow() -> str:
+    """Rank 1 skips a block that rank 0 runs: the gather check must name both units."""
+    torch.manual_seed(0)
+    config = ZeroConfig(stage=3, stage3_check_gathers=True, stage3_persistence_elements=0)
+    engine = zeroservice.initialize(_SkipsABlock(), config, lambda ps: torch.optim.SGD(ps, 0.1))
+    try:
+        loss = engine(torch.randn(4, 16), skip=dist.get_rank() == 1)
+        engine.backward(loss)
+        engine.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

@@ -162,3 +162,11 @@ def test_state_dict_file_errors_name_the_entry(tmp_path, stage_case):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     assert "is not a torch state-dict file" in _error(stage_case, str(tmp_path / "junk.pt"))
     assert "is not a file" in _error(stage_case, str(tmp_path / "absent.pt"))
+
+
+def test_rank_divergent_control_flow_is_named_not_silent():
+    messages = run_local(sc.divergent_control_flow, 2)
+    for message in messages:
+        assert message.startswith("stage 3: ranks gather different units"), message
+        assert "rank 0: unit 1 [blocks.1.weight" in message, message
+        assert "rank 1: unit 2 [blocks.2.weight" in message, message

@@ -66,7 +66,7 @@ class _Plan:
         whole = engine.policy.shard_world == 1
         for piece in held_pieces(engine.units, whole):
             saved = _match(piece, by_name, directory)
-            for kind in self.kinds:
+            for kind in ["master"] if piece.unit.frozen else self.kinds:
                 segs = index.get((saved["name"], kind), [])
                 self._cover(piece, kind, segs, saved["name"])
         self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
@@ -123,6 +123,9 @@ def _match(piece: Piece, by_name: dict[str, dict[str, Any]], directory: Path) ->
 
 
 def _target(engine: Engine, unit_index: int, kind: str) -> torch.Tensor:
+    unit = engine.units[unit_index]
+    if unit.frozen:
+        return unit.param_shard
     master = engine.optimizer.masters[unit_index]
     if kind == "master":
         return master.data
@@ -212,9 +215,10 @@ def _apply(engine: Engine, plan: _Plan, reader: SegmentReader) -> None:
             else:
                 state[key] = spec["value"]
     pending = []
-    for unit, master in zip(engine.units, engine.optimizer.masters, strict=True):
+    for unit, master in zip(engine.trainable_units, engine.optimizer.masters, strict=True):
         if engine.optimizer.mixed or engine.optimizer.offload:
             unit.param_shard.copy_(master.detach())
+    for unit in engine.units:
         if engine.policy.gathers_params and not unit.partitioned:
             pending.append(engine.comm.all_gather(unit.flat, "load"))
     if engine.gatherer is not None:

@@ -48,6 +48,9 @@ def per_element_kinds(engine: Engine) -> tuple[list[str], dict[str, Any]]:
 
 
 def _state_tensor(engine: Engine, unit_index: int, kind: str) -> torch.Tensor:
+    unit = engine.units[unit_index]
+    if unit.frozen:  # its values, saved as fp32 like every master
+        return unit.param_shard.float()
     master = engine.optimizer.masters[unit_index]
     if kind == "master":
         return master.detach()
@@ -70,7 +73,7 @@ def snapshot_items(engine: Engine, kinds: list[str], copy: bool) -> list[Item]:
 
     if not whole or engine.dp_rank == 0:
         for piece in held_pieces(engine.units, whole):
-            for kind in ["master", *kinds]:
+            for kind in ["master"] if piece.unit.frozen else ["master", *kinds]:
                 data = _state_tensor(engine, piece.unit.index, kind)
                 meta = {"param": piece.slot.names[0], "kind": kind}
                 n = piece.end - piece.start
