@@ -56,6 +56,26 @@ def actor_env() -> dict[str, str]:
     return {k: os.environ[k] for k in keys if k in os.environ}
 
 
+def use_own_token() -> None:
+    """Token authentication with a fresh token for the Ray this process is about to start.
+
+    Ray turns token authentication on for a new local instance and keeps the token it
+    wrote under the first start's HOME cached in this process; a second instance (another
+    HOME) would start a GCS that finds no token file and aborts. The token travels in the
+    environment instead (readable only by this user), so Ray's own processes and every
+    actor share it, and the cache is reloaded.
+    """
+    import secrets
+
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 def start_local_ray(
     num_cpus: float, workdir: str | Path, num_gpus: int = 0, resources: dict | None = None
 ):
@@ -69,6 +89,7 @@ def start_local_ray(
     tmp = workdir / "ray"
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(tmp)
+    use_own_token()
     return ray.init(
         address="local",
         num_cpus=num_cpus,

@@ -16,16 +16,7 @@ def local_ray(tmp_path_factory):
     from workers.cluster import start_local_ray
 
     workdir = tempfile.mkdtemp(prefix="zs-")  # Ray's socket paths must stay short
-    for attempt in (1, 2):
-        try:
-            start_local_ray(num_cpus=4, workdir=workdir, num_gpus=2)  # GPUs declared, absent
-            break
-        except RuntimeError as exc:
-            # Right after another module's Ray shut down, a loaded machine can miss
-            # Ray's start-up deadline ("Timed out waiting for file ..."): start again.
-            if attempt == 2 or "Timed out waiting" not in str(exc):
-                raise
-            ray.shutdown()
+    start_local_ray(num_cpus=4, workdir=workdir, num_gpus=2)  # GPUs declared, absent
     yield ray
     ray.shutdown()
     shutil.rmtree(workdir, ignore_errors=True)
