@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .flat import FlatUnit, ParamSlot, frozen_key, padded_size, split_into_units
+from .flat import FlatUnit, ParamSlot, frozen_key, padded_size
 from .partition import NamedParams
 
 ModuleInit = Callable[[str, nn.Module], None]
@@ -70,30 +70,19 @@ def _set_data(param: nn.Parameter, value: torch.Tensor) -> None:
         param.data = value
 
 
-def partitioned_units(
-    groups: list[NamedParams],
-    bucket_elements: int,
+def empty_units(
+    chunks: list[NamedParams],
     dtype: torch.dtype,
     world: int,
     rank: int,
     device: torch.device,
     opt_group: dict[int, int] | None = None,
-) -> tuple[list[FlatUnit], list[list[int]]]:
-    """Empty shards for each group's parameters, split at ``bucket_elements``.
-
-    Returns the units and, per group, the indices of its units.
-    """
-    units: list[FlatUnit] = []
-    per_group: list[list[int]] = [[] for _ in groups]
-    # Trainable units first, then frozen ones: see [Note: frozen units] in flat.py.
-    for frozen in (False, True):
-        for params, indices in zip(groups, per_group, strict=True):
-            mine = [(n, p) for n, p in params if p.requires_grad != frozen]
-            keys = frozen_key(opt_group, mine)
-            for chunk in split_into_units(mine, bucket_elements, keys):
-                indices.append(len(units))
-                units.append(_empty_unit(len(units), chunk, dtype, world, rank, device, keys))
-    return units, per_group
+) -> list[FlatUnit]:
+    """Stage 3: an empty shard per chunk of ``units.plan_layout`` (filled by ``fill_*``)."""
+    return [
+        _empty_unit(i, chunk, dtype, world, rank, device, frozen_key(opt_group, chunk))
+        for i, chunk in enumerate(chunks)
+    ]
 
 
 def _empty_unit(index, chunk: NamedParams, dtype, world, rank, device, keys) -> FlatUnit:

@@ -37,10 +37,10 @@ from .memory import (
     tensor_bytes,
 )
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
-from .partition import build_groups
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
 from .schedule import lr_factor
 from .stages import policy_for
+from .units import plan_layout
 from .tensor_parallel import MPGroup, is_mp_sharded
 
 if TYPE_CHECKING:
@@ -95,9 +95,23 @@ class Engine:
         self.policy = policy_for(config.stage, self.dp_world)
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
+        template, opt_group = group_of_params(optimizer, trainable_parameters(module))
+        self.layout = plan_layout(
+            module,
+            stage=config.stage,
+            world=self.dp_world,
+            bucket_elements=config.bucket_elements,
+            prefetch_elements=config.stage3_prefetch_elements,
+            persistence_elements=config.stage3_persistence_elements,
+            stage3_grouping=config.stage3_grouping,
+            opt_group=opt_group,
+        )
+        """How the model is cut into units, and the sizes that keep each stage below the
+        one before it (see [Note: stage order] in units.py)."""
+        budget = self.layout.budgets
         # C_B, a multiple of N_d: staging buffers hold it, the ring reduces C_B / N_d
         # columns at a time. See [Note: constant buffers] in hooks.py.
-        block = padded_size(config.bucket_elements, self.dp_world)
+        block = padded_size(budget.unit_elements, self.dp_world)
         self.comm = comm.Communicator(
             group, self.ledger, config.collectives, ring_chunk=block // self.dp_world
         )
@@ -118,17 +132,9 @@ class Engine:
         self.gatherer: ParamGatherer | None = None
         self.units: list[FlatUnit]
         if self.policy.partitions_params:
-            template, opt_group = group_of_params(optimizer, trainable_parameters(module))
-            groups = build_groups(module, config.stage3_grouping, config.bucket_elements)
             device = construct.engine_device(module, group)
-            self.units, unit_groups = construct.partitioned_units(
-                [g.params for g in groups],
-                config.bucket_elements,
-                dtype,
-                self.dp_world,
-                shard_rank,
-                device,
-                opt_group,
+            self.units = construct.empty_units(
+                self.layout.chunks, dtype, self.dp_world, shard_rank, device, opt_group
             )
             if isinstance(init, str | os.PathLike):
                 construct.fill_from_file(module, self.units, construct.StateDictFile(init))
@@ -144,14 +150,8 @@ class Engine:
                 construct.materialize(module, init, construct.engine_device(module, group))
             if dtype != torch.float32:
                 module.to(dtype)
-            template, opt_group = group_of_params(optimizer, trainable_parameters(module))
             self.units = build_units(
-                module,
-                config.bucket_elements,
-                dtype,
-                self.policy.shard_world,
-                shard_rank,
-                opt_group,
+                self.layout.chunks, dtype, self.policy.shard_world, shard_rank, opt_group
             )
             self._sync_initial_state(params=not isinstance(init, str | os.PathLike))
         self.trainable_units = [u for u in self.units if not u.frozen]
@@ -165,7 +165,7 @@ class Engine:
         if self.policy.partitions_params:
             # Gathered units and gradient staging share one set of reused buffers.
             largest = max(u.padded_numel for u in self.units)
-            limit = max(config.stage3_prefetch_elements, 2 * largest)
+            limit = max(budget.prefetch_elements, 2 * largest)
             cache = BufferCache(dtype, self.units[0].flat.device, limit)
         self.reducer = GradReducer(
             self.trainable_units,
@@ -176,19 +176,22 @@ class Engine:
             overlap=config.overlap_comm,
             param_hooks=not self.policy.partitions_params,
             staging=cache if grad_comm_dtype == dtype else None,
-            bucket_elements=config.bucket_elements,
+            bucket_elements=budget.unit_elements,
         )
         if self.policy.partitions_params:
             assert cache is not None
+            assert self.layout.groups is not None and self.layout.group_units is not None
+            groups = zip(self.layout.groups, self.layout.group_units, strict=True)
             self.gatherer = ParamGatherer(
                 module,
-                [(g.module, idx) for g, idx in zip(groups, unit_groups, strict=True)],
+                [(g.module, idx) for g, idx in groups],
                 self.units,
                 self.comm,
                 self.reducer,
                 cache,
-                prefetch_elements=config.stage3_prefetch_elements,
-                persistence_elements=config.stage3_persistence_elements,
+                prefetch_elements=budget.prefetch_elements,
+                persistence_elements=budget.persistence_elements,
+                persistent_total=budget.persistent_total,
                 check=GatherCheck(group, self.units) if config.stage3_check_gathers else None,
             )
         self.optimizer = ShardedOptimizer(

@@ -101,13 +101,6 @@ def padded_size(numel: int, world: int) -> int:
     return -(-numel // world) * world
 
 
-def _names_by_param(module: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
-
-
 def split_into_units(
     params: list[tuple[list[str], nn.Parameter]],
     bucket_elements: int,
@@ -147,21 +140,6 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def group_parameters(
-    module: nn.Module, bucket_elements: int, opt_group: dict[int, int] | None = None
-) -> list[list[tuple[list[str], nn.Parameter]]]:
-    """Parameters in reverse registration order, packed into size-capped groups: the
-    trainable ones first, then the frozen ones (see [Note: frozen units])."""
-    names = _names_by_param(module)
-    params = list(module.parameters())
-    trainable = [(names[id(p)], p) for p in reversed(params) if p.requires_grad]
-    frozen = [(names[id(p)], p) for p in reversed(params) if not p.requires_grad]
-    keys = frozen_key(opt_group, frozen)
-    return split_into_units(trainable, bucket_elements, keys) + split_into_units(
-        frozen, bucket_elements, keys
-    )
-
-
 def build_unit(
     index: int,
     group: list[tuple[list[str], nn.Parameter]],
@@ -192,16 +170,13 @@ def build_unit(
 
 
 def build_units(
-    module: nn.Module,
-    bucket_elements: int,
+    chunks: list[list[tuple[list[str], nn.Parameter]]],
     dtype: torch.dtype,
     shard_world: int,
     shard_rank: int,
     opt_group: dict[int, int] | None = None,
 ) -> list[FlatUnit]:
-    groups = group_parameters(module, bucket_elements, opt_group)
-    if not any(p.requires_grad for g in groups for _, p in g):
-        raise ValueError("the module has no trainable parameters (none with requires_grad)")
+    """Stages 0-2: a unit per chunk of ``units.plan_layout``, holding its parameters."""
     group_of = opt_group or {}
     return [
         build_unit(
@@ -213,5 +188,5 @@ def build_units(
             group_of.get(id(g[0][1]), 0),
             frozen=not g[0][1].requires_grad,
         )
-        for i, g in enumerate(groups)
+        for i, g in enumerate(chunks)
     ]

@@ -183,6 +183,7 @@ class ParamGatherer:
         cache: BufferCache,
         prefetch_elements: int,
         persistence_elements: int,
+        persistent_total: int | None = None,
         check: GatherCheck | None = None,
     ):
         self.root, self.units, self.comm, self.reducer = root, units, communicator, reducer
@@ -191,7 +192,7 @@ class ParamGatherer:
         self.prefetch_elements = prefetch_elements
         self.dtype = units[0].flat.dtype
         self.element_size = units[0].flat.element_size()
-        self.persistent = {u.index for u in units if u.padded_numel <= persistence_elements}
+        self.persistent = _persistent_units(units, persistence_elements, persistent_total)
         self.cache = cache
         self._anchor = torch.empty(0, requires_grad=True)
         self._live: dict[int, _Live] = {}
@@ -489,3 +490,17 @@ class ParamGatherer:
         self._views.clear()
         self._release_all()
         self.cache.clear()
+
+
+def _persistent_units(units: list[FlatUnit], largest: int, total: int | None) -> set[int]:
+    """Units of at most ``largest`` elements that stay gathered between steps, smallest
+    first while together within ``total`` (see [Note: stage order] in units.py)."""
+    small = sorted((u for u in units if u.padded_numel <= largest), key=lambda u: u.padded_numel)
+    chosen: set[int] = set()
+    held = 0
+    for unit in small:
+        if total is not None and held + unit.padded_numel > total:
+            break
+        chosen.add(unit.index)
+        held += unit.padded_numel
+    return chosen

@@ -199,7 +199,11 @@ def plan(
         cpu_offload=cpu_offload_activations,
     )
     p = PARAM_BYTES[precision]
-    comm = 2 * min(bucket_elements, psi_local) * p if stage >= 2 else 0
+    # Staging buffers hold C_B, capped so stage 2 stays below stage 1 (units.py).
+    from .units import budgets
+
+    c_b = budgets(psi_local, dp, bucket_elements, 2**25, 2**16).unit_elements
+    comm = 2 * min(c_b, psi_local) * p if stage >= 2 else 0
     gathered = 0
     if stage == 3:
         per_layer = psi_local // spec.layers if spec.layers else bucket_elements
@@ -527,38 +531,25 @@ def unit_sizes_for_module(
     """(elements, padded elements) of every trainable unit the engine would form for
     ``module`` (frozen units hold no gradient, master or optimizer state).
 
-    Stages 0-2: flat.group_parameters, each unit padded to a multiple of N_d (stage 0
-    shards over one rank: no padding). Stage 3: construct.partitioned_units over
-    partition.build_groups, its shards allocated on the meta device (no memory). The
-    module is only inspected.
+    The units of ``units.plan_layout``, each padded to a multiple of N_d (stage 0
+    shards over one rank: no padding). The module is only inspected.
     """
-    import torch
-
-    from .construct import partitioned_units
-    from .flat import group_parameters, padded_size
-    from .partition import build_groups
+    from .units import plan_layout, unit_sizes
 
     _check_int("dp", dp, 1)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
     _check_int("bucket_elements", bucket_elements, 1)
-    if stage < 3:
-        world = dp if stage > 0 else 1
-        trainable = [g for g in group_parameters(module, bucket_elements) if g[0][1].requires_grad]
-        sizes = [sum(p.numel() for _, p in g) for g in trainable]
-        return [(n, padded_size(n, world)) for n in sizes]
     if stage3_grouping not in ("blocks", "size"):
         raise PlanError(f"stage3_grouping: {stage3_grouping!r} is not 'blocks' or 'size'")
-    groups = build_groups(module, stage3_grouping, bucket_elements)
-    units, _ = partitioned_units(
-        [g.params for g in groups],
-        bucket_elements,
-        torch.float32,
-        dp,
-        0,
-        torch.device("meta"),
+    layout = plan_layout(
+        module,
+        stage=stage,
+        world=dp,
+        bucket_elements=bucket_elements,
+        stage3_grouping=stage3_grouping,
     )
-    return [(u.numel, u.padded_numel) for u in units if not u.frozen]
+    return unit_sizes(layout, dp if stage > 0 else 1)
 
 
 def model_state_bytes_for_module(

@@ -5,13 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroservice.flat import build_units, group_parameters
+from zeroservice.flat import build_units
 from zeroservice.models import GPT, GPTConfig
+from zeroservice.units import plan_layout
+
+
+def _units(model, bucket, world, rank):
+    layout = plan_layout(model, stage=1, world=1, bucket_elements=bucket)
+    return build_units(layout.chunks, torch.float32, world, rank)
 
 
 def test_groups_follow_backward_order_and_cap():
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 1000))
-    groups = group_parameters(model, bucket_elements=150)
+    groups = plan_layout(model, stage=1, world=1, bucket_elements=150).chunks
     names = [[n[0] for n, _ in g] for g in groups]
     # Reverse registration order; the 10,000-element weight exceeds the cap alone.
     assert names[0] == ["2.bias"] and names[1] == ["2.weight"]
@@ -23,7 +29,7 @@ def test_units_pad_to_world_and_params_become_views():
     model = GPT(GPTConfig(vocab_size=101, seq_len=8, n_layer=1, n_head=2, dim=6))
     x = torch.randint(0, 101, (2, 8))
     before = model(x).detach()
-    units = build_units(model, 500, torch.float32, shard_world=4, shard_rank=3)
+    units = _units(model, 500, world=4, rank=3)
     total = sum(u.numel for u in units)
     assert total == sum(p.numel() for p in model.parameters()) == model.cfg.num_params()
     for u in units:
@@ -41,7 +47,7 @@ def test_units_pad_to_world_and_params_become_views():
 
 def test_tied_parameter_is_one_slot_with_both_names():
     model = GPT(GPTConfig(vocab_size=50, seq_len=4, n_layer=1, n_head=1, dim=4))
-    units = build_units(model, 10**6, torch.float32, 2, 0)
+    units = _units(model, 10**6, 2, 0)
     slots = [s for u in units for s in u.slots]
     tied = [s for s in slots if "wte.weight" in s.names]
     assert len(tied) == 1 and "head.weight" in tied[0].names
