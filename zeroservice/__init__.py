@@ -14,9 +14,10 @@ from torch import nn
 from .config import ConfigError, LossScaleConfig, ScheduleConfig, ZeroConfig
 from .construct import InitSource, deferred_init
 from .deepspeed_config import from_deepspeed
-from .engine import Engine, Phase, StepReport
+from .engine import Engine, StepReport
 from .memory import MemoryLedger, expected_model_state_bytes
 from .optim import OptimizerFactory
+from .state import TrainingState
 from .topology import Topology, TopologyError, build_topology
 
 __all__ = [
@@ -24,11 +25,11 @@ __all__ = [
     "Engine",
     "LossScaleConfig",
     "MemoryLedger",
-    "Phase",
     "ScheduleConfig",
     "StepReport",
     "Topology",
     "TopologyError",
+    "TrainingState",
     "ZeroConfig",
     "build_topology",
     "deferred_init",

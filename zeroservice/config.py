@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}: {message}")
@@ -134,12 +138,14 @@ class ZeroConfig:
     reduce_dtype: ReduceDtype = "param"
     """dtype of gradient reduction: the parameters' dtype, or fp32 (costs 2x bytes in
     bf16/fp16, gains accuracy)."""
-    bucket_elements: int = 2**23
+    bucket_elements: int | None = None
     """Constant size of the fused communication buffers and of parameter units, in
     elements (the paper's C_B), rounded up to a multiple of the data-parallel world.
     A single parameter larger than this forms a unit of its own; its gradient is
     reduced in pieces of at most this size, so no staging buffer (nor the ring's
-    receive scratch) grows with the model."""
+    receive scratch) grows with the model. None (the default): 2^23, capped at
+    Psi (1 - 1/N_d) / 2 so that no stage holds more than the stage below it (see [Note:
+    stage order] in units.py); a number is used as given."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; ``engine.step()`` is called after each one."""
     gradient_clipping: float = 0.0
@@ -166,18 +172,20 @@ class ZeroConfig:
     "size": the largest modules of at most ``bucket_elements`` parameters, so that
     gather buffers stay constant as the model grows. Models without a ModuleList fall
     back to "size"."""
-    stage3_prefetch_elements: int = 2**25
+    stage3_prefetch_elements: int | None = None
     """Stage 3: budget of gathered (live) parameter elements, counting in-flight
     gathers; the next groups, in the recorded order, are gathered ahead of use only
     while they fit. The group in use is always gathered, so the peak is at most this
-    budget plus one group. The default (32 Mi elements: 128 MiB in fp32, 64 MiB in
-    bf16) holds the root's parameters and a few blocks of models up to a few billion
-    parameters; raise it for wider models, lower it to save memory."""
-    stage3_persistence_elements: int = 2**16
+    budget plus one group. None (the default): 2^25 (32 Mi elements: 128 MiB in fp32,
+    64 MiB in bf16; it holds the root's parameters and a few blocks of models up to a
+    few billion parameters), capped like ``bucket_elements``; a number is used as
+    given: raise it for wider models, lower it to save memory."""
+    stage3_persistence_elements: int | None = None
     """Stage 3: a unit of at most this many elements stays gathered between steps (one
-    all-gather per step instead of two). At the default (64 Ki elements, 128 KiB in
-    bf16) a unit's gather is latency-bound, so keeping it costs little memory and
-    saves two collective launches per step."""
+    all-gather per step instead of two). None (the default): 2^16 (64 Ki elements, 128
+    KiB in bf16: such a unit's gather is latency-bound, so keeping it costs little
+    memory and saves two collective launches per step), with all persistent units
+    together capped like ``bucket_elements``; a number is used as given."""
     stage3_check_gathers: bool = field(
         default_factory=lambda: os.environ.get("ZEROSERVICE_CHECK_GATHERS", "") == "1"
     )
@@ -224,7 +232,9 @@ class ZeroConfig:
         for name in ("stage3_prefetch_elements", "stage3_persistence_elements"):
             value = getattr(self, name)
             _require(
-                isinstance(value, int) and value >= 0, name, f"{value!r} must be an integer >= 0"
+                value is None or (_is_int(value) and value >= 0),
+                name,
+                f"{value!r} must be an integer >= 0 (or null: the default)",
             )
         _require(
             self.precision in PRECISIONS,
@@ -237,9 +247,10 @@ class ZeroConfig:
             f"{self.reduce_dtype!r} is not 'param' or 'fp32'",
         )
         _require(
-            isinstance(self.bucket_elements, int) and self.bucket_elements >= 1024,
+            self.bucket_elements is None
+            or (_is_int(self.bucket_elements) and self.bucket_elements >= 1024),
             "bucket_elements",
-            f"{self.bucket_elements!r} must be an integer >= 1024",
+            f"{self.bucket_elements!r} must be an integer >= 1024 (or null: the default)",
         )
         _require(
             isinstance(self.gradient_accumulation_steps, int)

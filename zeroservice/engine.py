@@ -11,7 +11,6 @@ Life of a step (``gradient_accumulation_steps`` = A):
 
 from __future__ import annotations
 
-import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +22,11 @@ from torch import nn
 
 from . import comm, construct
 from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_modules
+from .buffers import BufferCache
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
-from .gather import BufferCache, ParamGatherer
+from .gather import ParamGatherer
 from .gather_check import GatherCheck
-from .hooks import GradReducer
 from .memory import (
     MemoryLedger,
     allocator_stats,
@@ -38,22 +37,15 @@ from .memory import (
 )
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
+from .reduce import GradReducer
 from .schedule import lr_factor
 from .stages import policy_for
-from .units import plan_layout
+from .state import StateCell, TrainingState
 from .tensor_parallel import MPGroup, is_mp_sharded
+from .units import plan_layout
 
 if TYPE_CHECKING:
     from .checkpoint.background import SaveHandle
-
-
-class Phase(enum.Enum):
-    """Where the engine is inside an optimizer step."""
-
-    READY = "ready"
-    """Parameters whole; a forward may run; no backward since the last step."""
-    ACCUMULATING = "accumulating"
-    """Between the first backward of a step and the step itself."""
 
 
 @dataclass
@@ -110,7 +102,7 @@ class Engine:
         one before it (see [Note: stage order] in units.py)."""
         budget = self.layout.budgets
         # C_B, a multiple of N_d: staging buffers hold it, the ring reduces C_B / N_d
-        # columns at a time. See [Note: constant buffers] in hooks.py.
+        # columns at a time. See [Note: constant buffers] in reduce.py.
         block = padded_size(budget.unit_elements, self.dp_world)
         self.comm = comm.Communicator(
             group, self.ledger, config.collectives, ring_chunk=block // self.dp_world
@@ -157,6 +149,8 @@ class Engine:
         self.trainable_units = [u for u in self.units if not u.frozen]
         """The prefix of ``units`` that trains (see [Note: frozen units] in flat.py)."""
         assert all(a is b for a, b in zip(self.units, self.trainable_units, strict=False))
+        self.state = StateCell()
+        """Where the engine is inside a step (state.py); the reducer and gatherer read it."""
         grad_comm_dtype = reduce_dtype(config.precision, config.reduce_dtype)
         if self.comm.ring is not None:
             largest_shard = max(u.shard_numel for u in self.units)
@@ -173,6 +167,7 @@ class Engine:
             grad_dtype=dtype,
             comm_dtype=grad_comm_dtype,
             communicator=self.comm,
+            state=self.state,
             overlap=config.overlap_comm,
             param_hooks=not self.policy.partitions_params,
             staging=cache if grad_comm_dtype == dtype else None,
@@ -229,7 +224,6 @@ class Engine:
                 recompute = self.gatherer.recomputing
             self._checkpointer = ActivationCheckpointer(blocks, self.activations, recompute)
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
-        self.phase = Phase.READY
         self.micro_steps = 0
         """Backward passes since the last optimizer step."""
         self.global_steps = 0
@@ -270,25 +264,32 @@ class Engine:
                 f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}); "
                 "call engine.step() after every backward"
             )
-        self.reducer.pre_backward(self.is_gradient_accumulation_boundary())
-        if self.gatherer is not None:
-            self.gatherer.begin_backward()
-        scale = self.loss_scale / self.config.gradient_accumulation_steps
-        (loss * scale if scale != 1.0 else loss).backward()
-        self.reducer.finalize_backward()
-        if self.gatherer is not None:
-            self.gatherer.end_backward()
+        reduces = self.policy.reduce_every_micro_batch or self.is_gradient_accumulation_boundary()
+        left = self.state.move(TrainingState.REDUCING if reduces else TrainingState.BACKWARD)
+        try:
+            self.reducer.pre_backward()
+            if self.gatherer is not None:
+                self.gatherer.begin_backward()
+            scale = self.loss_scale / self.config.gradient_accumulation_steps
+            (loss * scale if scale != 1.0 else loss).backward()
+            self.reducer.finalize_backward()
+            if self.gatherer is not None:
+                self.gatherer.end_backward()
+        except BaseException:
+            self.state.reset_to(left)
+            raise
         self.micro_steps += 1
-        self.phase = Phase.ACCUMULATING
+        self.state.move(TrainingState.ACCUMULATED)
 
     def step(self) -> StepReport:
         """Call after every backward; updates the weights after the step's last micro-batch."""
-        if self.phase is not Phase.ACCUMULATING:
+        if self.state.value is not TrainingState.ACCUMULATED:
             raise RuntimeError("step: no backward since the last step; call engine.backward first")
         factor = lr_factor(self.config.lr_schedule, self.applied_steps)
         if self.micro_steps < self.config.gradient_accumulation_steps:
             return StepReport(False, None, False, factor, self.loss_scale)
         scale = self.loss_scale
+        self.state.move(TrainingState.STEPPING)
         self.optimizer.set_lr_factor(factor)
         result: StepResult = self.optimizer.step(
             self.reducer.grad_shards(), scale, self.config.gradient_clipping
@@ -304,7 +305,7 @@ class Engine:
         self.reducer.zero_grads()
         self.global_steps += 1
         self.micro_steps = 0
-        self.phase = Phase.READY
+        self.state.move(TrainingState.IDLE)
         self.last_report = StepReport(
             not result.skipped, result.grad_norm, result.skipped, factor, scale
         )

@@ -13,7 +13,7 @@ gradients) and hold at most ``bucket_elements`` elements, except a single parame
 larger than that, which forms a unit of its own. A unit never holds parameters of
 two optimizer param groups (see [Note: param groups] in optim.py). Communication
 buffers stay at the constant size all the same: a unit above the cap has its
-gradient reduced in pieces (see [Note: constant buffers] in hooks.py).
+gradient reduced in pieces (see [Note: constant buffers] in reduce.py).
 
 [Note: frozen units]
 Parameters with ``requires_grad=False`` (a frozen base under adapters) live in units

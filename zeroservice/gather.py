@@ -22,7 +22,7 @@ Three things make this hold for arbitrary models:
   parameters once autograd is done with every use in its window; a unit used in k
   windows has k nodes, and its reduce-scatter is launched when the last fires
   (or, for a node that never fires, when backward ends). See [Note: stage 3
-  reduction] in hooks.py.
+  reduction] in reduce.py.
 
 [Note: prefetch]
 Each pass (forward, backward) records the order in which it requested units. The
@@ -45,9 +45,11 @@ import torch
 from torch import nn
 
 from . import comm
+from .buffers import BufferCache
 from .flat import FlatUnit
 from .gather_check import GatherCheck
-from .hooks import GradReducer
+from .reduce import GradReducer
+from .state import Pass
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -91,66 +93,6 @@ class _Order:
     current: list[int] = field(default_factory=list)
     pos: int = 0
     following: bool = False
-
-
-def _sole_owner(buffer: torch.Tensor) -> bool:
-    """No view of ``buffer`` is alive anywhere (so its memory may be reused)."""
-    try:
-        # The tensor itself and the temporary storage object: 2 references.
-        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
-    except (AttributeError, RuntimeError):
-        return False
-
-
-class BufferCache:
-    """Whole-unit buffers kept after release and reused by the next gather of that size.
-
-    Gathering allocates and frees the same few sizes over and over; through malloc,
-    glibc keeps such freed blocks in its heap, so the process grows well past what it
-    uses (ZeRO-R's fragmentation, on the host). Reusing the buffers keeps the resident
-    size at the gathered peak. Gradient staging at stage 3 borrows from the same cache
-    (the sizes are the units' sizes again), except for a unit larger than C_B, which
-    the reducer reduces in pieces through its own constant buffers. A buffer still
-    referenced by a view (a user kept a weight) is never reused, only dropped. Idle
-    plus lent buffers stay within the most ever lent at once (capped by ``limit``):
-    the cache never raises the high-water mark, it only keeps what the last peak will
-    need again.
-    """
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, limit: int):
-        self.dtype, self.device, self.limit = dtype, device, limit
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self.idle_elements = 0
-        self.lent_elements = 0
-        self.peak_lent_elements = 0
-
-    def take(self, numel: int) -> torch.Tensor:
-        self.lent_elements += numel
-        self.peak_lent_elements = max(self.peak_lent_elements, self.lent_elements)
-        free = self._free.get(numel)
-        if free:
-            self.idle_elements -= numel
-            return free.pop()
-        return torch.empty(numel, dtype=self.dtype, device=self.device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        numel = buffer.numel()
-        self.lent_elements -= numel
-        cap = min(self.limit, self.peak_lent_elements)
-        room = cap - self.lent_elements - self.idle_elements
-        if numel <= room and _sole_owner(buffer):
-            self._free.setdefault(numel, []).append(buffer)
-            self.idle_elements += numel
-
-    @property
-    def largest_idle(self) -> int:
-        """Elements of the largest idle buffer."""
-        return max((n for n, free in self._free.items() if free), default=0)
-
-    def clear(self) -> None:
-        """Drop the idle buffers (at the end of a pass: reuse is within a pass)."""
-        self._free.clear()
-        self.idle_elements = 0
 
 
 _MANAGED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
@@ -202,12 +144,11 @@ class ParamGatherer:
         self._touched: set[int] = set()
         self._expected = [0] * len(units)
         self._fired = [0] * len(units)
-        self._orders = {"forward": _Order(), "backward": _Order()}
+        self._orders = {Pass.FORWARD: _Order(), Pass.BACKWARD: _Order()}
         self.checkpointed: set[int] = set()
         """ids of modules whose forward runs without a graph and is recomputed in backward
         (activations.py): their first forward builds no gather nodes."""
         self._recomputing = 0
-        self._in_backward = False
         self.live_elements = 0
         self.peak_live_elements = 0
         self.on_demand_gathers = 0
@@ -264,7 +205,7 @@ class ParamGatherer:
     # -- forward windows ------------------------------------------------------------
     def _enter(self, indices: list[int], is_root: bool, module, args) -> None:
         if is_root and not self._windows:
-            self._begin_pass("forward")
+            self._begin_pass(Pass.FORWARD)
         window: list[int] = []
         self._windows.append(window)
         graph = torch.is_grad_enabled() and (
@@ -291,12 +232,14 @@ class ParamGatherer:
             self._views.clear()
             self._release_all()
             self.cache.clear()  # idle buffers would sit beside the activations' peak
-            self._end_pass("forward")
+            self._end_pass(Pass.FORWARD)
             for index in self.persistent:
                 self._check_unmodified(index, self._live[index])
 
     def _use(self, index: int, window: list[int], graph: bool | None = None) -> None:
-        self._request(index, "backward" if self._in_backward else "forward")
+        self._request(
+            index, Pass.BACKWARD if self.reducer.state.value.in_backward else Pass.FORWARD
+        )
         if graph is None:
             graph = torch.is_grad_enabled()
         if graph and not self.units[index].frozen:  # a frozen unit has no gradient node
@@ -323,13 +266,12 @@ class ParamGatherer:
             return saved
         if saved.unit not in self._live or saved.unit not in self._touched:
             self._touched.add(saved.unit)
-            self._request(saved.unit, "backward")
+            self._request(saved.unit, Pass.BACKWARD)
         return self._buffer(saved.unit).as_strided(saved.size, saved.stride, saved.offset)
 
     def begin_backward(self) -> None:
-        self._in_backward = True
         self._touched.clear()
-        self._begin_pass("backward")
+        self._begin_pass(Pass.BACKWARD)
 
     def unit_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
         if not self.reducer.active:
@@ -351,12 +293,11 @@ class ParamGatherer:
 
     def end_backward(self) -> None:
         """After the reducer finished: drop what backward gathered, reset the node counts."""
-        self._in_backward = False
         self._release_all()
         self.cache.clear()
         self._expected = [0] * len(self.units)
         self._fired = [0] * len(self.units)
-        self._end_pass("backward")
+        self._end_pass(Pass.BACKWARD)
 
     # -- after the optimizer step -----------------------------------------------------
     def refresh_persistent(self) -> list[comm.Pending]:
@@ -400,7 +341,7 @@ class ParamGatherer:
             live.version = live.buffer._version
         return live.buffer
 
-    def _request(self, index: int, phase: str) -> None:
+    def _request(self, index: int, phase: Pass) -> None:
         """Make sure ``index`` is gathered (or on its way), following and recording the plan."""
         if index in self.persistent:
             return
@@ -448,11 +389,11 @@ class ParamGatherer:
         for index in list(self._live):
             self._release(index)
 
-    def _begin_pass(self, phase: str) -> None:
+    def _begin_pass(self, phase: Pass) -> None:
         order = self._orders[phase]
         order.current, order.pos, order.following = [], 0, bool(order.plan)
 
-    def _end_pass(self, phase: str) -> None:
+    def _end_pass(self, phase: Pass) -> None:
         order = self._orders[phase]
         order.plan, order.current = order.current, []
 

@@ -164,7 +164,7 @@ def plan(
     cpu_offload_activations: bool = False,
     seq_len: int | None = None,
     micro_batch: int | None = None,
-    bucket_elements: int = 2**23,
+    bucket_elements: int | None = None,
 ) -> MemoryPlan:
     """Bytes per rank of a ZeRO configuration, by kind. See [Note: memory plan]."""
     spec = describe(model)
@@ -174,7 +174,8 @@ def plan(
         raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
     _check_precision(precision)
     _check_int("optimizer_bytes", optimizer_bytes, 0)
-    _check_int("bucket_elements", bucket_elements, 1)
+    if bucket_elements is not None:
+        _check_int("bucket_elements", bucket_elements, 1)
     _check_mp(spec, mp)
     for name, on in (
         ("partition_activations", partition_activations),
@@ -202,11 +203,11 @@ def plan(
     # Staging buffers hold C_B, capped so stage 2 stays below stage 1 (units.py).
     from .units import budgets
 
-    c_b = budgets(psi_local, dp, bucket_elements, 2**25, 2**16).unit_elements
+    c_b = budgets(psi_local, dp, bucket_elements).unit_elements
     comm = 2 * min(c_b, psi_local) * p if stage >= 2 else 0
     gathered = 0
     if stage == 3:
-        per_layer = psi_local // spec.layers if spec.layers else bucket_elements
+        per_layer = psi_local // spec.layers if spec.layers else c_b
         gathered = min(psi_local, 2 * per_layer) * p
     # Offloaded: the master and optimizer states, and the fp32 gradient shard the
     # reduced gradients are copied into for the host step.
@@ -433,7 +434,7 @@ def recommend(
     offload_optimizer: bool = False,
     partition_activations: bool = False,
     cpu_offload_activations: bool = False,
-    bucket_elements: int = 2**23,
+    bucket_elements: int | None = None,
     headroom: float = 0.9,
 ) -> Recommendation:
     """The configuration with the least communication per rank per step that fits.
@@ -525,7 +526,7 @@ def unit_sizes_for_module(
     *,
     dp: int,
     stage: int,
-    bucket_elements: int = 2**23,
+    bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
 ) -> list[tuple[int, int]]:
     """(elements, padded elements) of every trainable unit the engine would form for
@@ -539,7 +540,8 @@ def unit_sizes_for_module(
     _check_int("dp", dp, 1)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
-    _check_int("bucket_elements", bucket_elements, 1)
+    if bucket_elements is not None:
+        _check_int("bucket_elements", bucket_elements, 1)
     if stage3_grouping not in ("blocks", "size"):
         raise PlanError(f"stage3_grouping: {stage3_grouping!r} is not 'blocks' or 'size'")
     layout = plan_layout(
@@ -559,7 +561,7 @@ def model_state_bytes_for_module(
     stage: int,
     precision: str,
     optimizer_bytes: int = 8,
-    bucket_elements: int = 2**23,
+    bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
 ) -> int:
     """Model-state bytes per rank the engine will hold for this module, padding included:

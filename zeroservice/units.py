@@ -11,12 +11,14 @@ saves ``(1 - 1/N) Psi`` parameter elements and costs what it keeps gathered: the
 it prefetches, the units that persist between steps and the staging buffers it borrows
 from the same cache. Both budgets are capped at the same ``Psi (1 - 1/N) / 2`` (the
 cache at twice that, which covers the staging buffers), so the gathered parameters never
-outgrow what partitioning saves. The caps bind only for models smaller than about
-``4 bucket_elements`` at N = 2 (2^25 elements at the default); larger models use the
-configured sizes unchanged. What a module's forward needs at once is always gathered
-whole, whatever the budget: a model whose single parameter is larger than the cap (one
-weight of more than about a quarter of the model at N = 2) can hold more at stage 3 than
-at stage 2, by at most that unit; the ledger's ``gathered_peak`` shows it.
+outgrow what partitioning saves. The caps apply to the sizes the configuration leaves
+to the engine (``bucket_elements`` etc. None, the default; a configured number is used
+as given) and bind only for models smaller than about 4 x 2^23 = 2^25 elements at
+N = 2; larger models get the default sizes unchanged. What a module's forward needs at
+once is always gathered whole, whatever the budget: a model whose single parameter is
+larger than the cap (one weight of more than about a quarter of the model at N = 2) can
+hold more at stage 3 than at stage 2, by at most that unit; the ledger's
+``gathered_peak`` shows it.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class Budgets:
     """Stage 3: gathered parameter elements prefetched ahead of use."""
     persistence_elements: int
     """Stage 3: a unit of at most this many elements stays gathered between steps..."""
-    persistent_total: int
-    """...while all such units together stay within this many elements."""
+    persistent_total: int | None
+    """...while all such units together stay within this many elements (None: no cap)."""
 
 
 def stage_slack(psi: int, world: int) -> int:
@@ -53,22 +55,35 @@ def stage_slack(psi: int, world: int) -> int:
     return max(world, slack // world * world)
 
 
+BUCKET_ELEMENTS = 2**23
+"""C_B when the configuration leaves it to the engine (then capped: [Note: stage order])."""
+PREFETCH_ELEMENTS = 2**25
+PERSISTENCE_ELEMENTS = 2**16
+
+
 def budgets(
     psi: int,
     world: int,
-    bucket_elements: int,
-    prefetch_elements: int,
-    persistence_elements: int,
+    bucket_elements: int | None = None,
+    prefetch_elements: int | None = None,
+    persistence_elements: int | None = None,
 ) -> Budgets:
-    """The configured sizes, capped so that no stage outgrows the one below it."""
+    """The sizes for a model of ``psi`` trainable elements at data-parallel degree
+    ``world``: a configured size is used as given; one left to the engine (None) is the
+    default capped so that no stage outgrows the one below it."""
     slack = stage_slack(psi, world)
-    if slack == 0:  # a world of one: nothing is sharded, nothing to keep in order
-        return Budgets(bucket_elements, prefetch_elements, persistence_elements, prefetch_elements)
+
+    def pick(given: int | None, default: int) -> int:
+        if given is not None:
+            return given
+        return min(default, slack) if slack else default
+
+    persistent_total = slack if persistence_elements is None and slack else None
     return Budgets(
-        unit_elements=min(bucket_elements, slack),
-        prefetch_elements=min(prefetch_elements, slack),
-        persistence_elements=min(persistence_elements, slack),
-        persistent_total=slack,
+        unit_elements=pick(bucket_elements, BUCKET_ELEMENTS),
+        prefetch_elements=pick(prefetch_elements, PREFETCH_ELEMENTS),
+        persistence_elements=pick(persistence_elements, PERSISTENCE_ELEMENTS),
+        persistent_total=persistent_total,
     )
 
 
@@ -90,9 +105,9 @@ def plan_layout(
     *,
     stage: int,
     world: int,
-    bucket_elements: int,
-    prefetch_elements: int = 2**25,
-    persistence_elements: int = 2**16,
+    bucket_elements: int | None = None,
+    prefetch_elements: int | None = None,
+    persistence_elements: int | None = None,
     stage3_grouping: str = "blocks",
     opt_group: dict[int, int] | None = None,
 ) -> Layout:

@@ -95,7 +95,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     run.add_argument("--stage", type=int, help="ZeRO stage 0-3")
     run.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     run.add_argument("--optimizer-bytes", type=int, default=8, help="per element (Adam: 8)")
-    run.add_argument("--bucket-elements", type=_count, default=2**23)
+    run.add_argument(
+        "--bucket-elements",
+        type=_count,
+        default=None,
+        help="C_B (default: 2^23, capped so no stage holds more than the one below)",
+    )
     run.add_argument("--micro-batch", type=int, help="samples per micro-batch: activations")
     run.add_argument("--offload-optimizer", action="store_true", help="master + states on host")
     run.add_argument("--checkpoint-activations", action="store_true")

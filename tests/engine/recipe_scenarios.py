@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroservice
+from tests.engine import harness
 from zeroservice.config import ZeroConfig
 
 
@@ -106,20 +107,25 @@ def _stage2_staging_at(overlap: bool, steps: int) -> dict:
     }
 
 
-def compiled_blocks_vs_ddp(stages: list[int], steps: int = 3) -> list[dict]:
-    """Each block compiled (``aot_eager``: inductor's C++ build is too slow for tests)
-    before initialize; losses of the engine and of DDP over the same compiled blocks."""
-    return [_compiled_at(stage, steps) for stage in stages]
+def compiled_vs_ddp(cases: list[tuple[str, int]], steps: int = 3) -> list[dict]:
+    """("blocks", stage): each block compiled before initialize; ("model", stage): the
+    whole model passed through ``torch.compile``. ``aot_eager``: inductor's C++ build is
+    too slow for tests. Losses of the engine and of DDP over the same compiled modules."""
+    return [_compiled_at(what, stage, steps) for what, stage in cases]
 
 
-def _compiled_at(stage: int, steps: int) -> dict:
+def _compiled_at(what: str, stage: int, steps: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(5)
-    model = _Norms()
-    ref = copy.deepcopy(model)
-    for m in (model, ref):
-        for block in m.blocks:
-            block.compile(backend="aot_eager")
+    model: nn.Module = _Norms()
+    ref: nn.Module = copy.deepcopy(model)
+    if what == "blocks":
+        for m in (model, ref):
+            for block in m.blocks:
+                block.compile(backend="aot_eager")
+    else:
+        model = torch.compile(model, backend="aot_eager")
+        ref = torch.compile(ref, backend="aot_eager")
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     engine = zeroservice.initialize(
@@ -140,3 +146,74 @@ def _compiled_at(stage: int, steps: int) -> dict:
         ref_opt.zero_grad(set_to_none=True)
         ref_losses.append(_mean_over_ranks(ref_loss.item()))
     return {"losses": losses, "ref_losses": ref_losses}
+
+
+class _Reversed(nn.Module):
+    """Layers called in the reverse of their registration order: backward finishes the
+    units in the reverse of their index order (the worst case for the launch order)."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.emb = nn.Embedding(vocab, width)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in reversed(self.layers):
+            x = x + torch.tanh(layer(x))
+        logits = x @ self.emb.weight.t()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def out_of_order_vs_ddp(overlaps: list[bool], steps: int = 4) -> list[dict]:
+    """Stage 2 on ``_Reversed``: parity with DDP (Adam losses; SGD gradients and
+    weights), and the staging buffers' overflows after each step."""
+    return [_out_of_order_at(overlap, steps) for overlap in overlaps]
+
+
+def _out_of_order_at(overlap: bool, steps: int) -> dict:
+    batches = harness.token_batches(64, 16, seed=4)
+    config = ZeroConfig(stage=2, bucket_elements=1024, overlap_comm=overlap)
+
+    def runs(optimizer, capture: bool):
+        torch.manual_seed(5)
+        model = _Reversed()
+        ref = harness.run_ddp(copy.deepcopy(model), optimizer, batches, steps, capture=capture)
+        engine = zeroservice.initialize(model, config, optimizer)
+        overflows = []
+        run = harness.Run([], [], [], [], {}, skipped=[])
+        for step in range(steps):
+            part = harness.run_engine(
+                engine,
+                batches,
+                1,
+                reference=ref if capture else None,
+                start=step,
+                keep_state=step == steps - 1,
+            )
+            run.losses += part.losses
+            run.grad_ratio += part.grad_ratio
+            run.state = part.state
+            overflows.append(engine.reducer.pool.overflows)
+        return engine, run, ref, overflows
+
+    _, adam, adam_ref, _ = runs(lambda ps: torch.optim.AdamW(ps, lr=1e-2), False)
+    engine, sgd, sgd_ref, overflows = runs(
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), True
+    )
+    ledger = engine.memory_ledger()
+    return {
+        "losses": adam.losses,
+        "ref_losses": adam_ref.losses,
+        "grad_ratio": sgd.grad_ratio,
+        "weight_ratio": harness.weight_ratio(sgd.state, sgd_ref.state),
+        "overflows": overflows,
+        "order": list(engine.reducer.order),
+        "units": len(engine.units),
+        "comm_buffers": ledger.comm_buffers,
+        "comm_buffers_peak": ledger.comm_buffers_peak,
+        "temporary_peak": engine.reducer.pool.temporary_peak,
+        "order_calls": sum(
+            e["calls"] for e in engine.comm_ledger().as_list() if e["tag"] == "order"
+        ),
+    }

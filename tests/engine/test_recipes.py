@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.recipe_scenarios import batchnorm_vs_ddp, compiled_blocks_vs_ddp, stage2_staging
+from tests.engine.harness import assert_matches_ddp
+from tests.engine.recipe_scenarios import (
+    batchnorm_vs_ddp,
+    compiled_vs_ddp,
+    out_of_order_vs_ddp,
+    stage2_staging,
+)
 from zeroservice.config import ConfigError, check_collectives
 from zeroservice.launch import free_port, run_local
 
@@ -79,13 +85,38 @@ def test_stage2_stages_in_constant_buffers_in_every_mode(overlap):
 
 
 @functools.cache
+def _out_of_order():
+    return dict(
+        zip((True, False), run_local(out_of_order_vs_ddp, 2, [True, False])[0], strict=True)
+    )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_units_finished_out_of_order_match_ddp_and_stay_in_two_buffers(overlap):
+    r = _out_of_order()[overlap]
+    assert_matches_ddp(r)
+    # The first backward finished the units about in reverse index order (unit 0, the
+    # tied embedding, last), so they waited in temporary buffers (counted in the
+    # ledger's peak); every rank saw that order and adopted it (two "order"
+    # collectives, once), and no later step needed a temporary buffer.
+    assert r["order"] != list(range(r["units"])) and r["order"][-1] == 0
+    assert r["overflows"][0] > 0 and len(set(r["overflows"])) == 1
+    assert r["order_calls"] == 2
+    assert r["comm_buffers_peak"] == r["comm_buffers"] + r["temporary_peak"]
+
+
+COMPILED = [(what, stage) for what in ("blocks", "model") for stage in (0, 1, 2, 3)]
+
+
+@functools.cache
 def _compiled():
-    return run_local(compiled_blocks_vs_ddp, 2, [0, 1, 2, 3], timeout_s=300)[0]
+    runs = run_local(compiled_vs_ddp, 2, COMPILED, timeout_s=300)[0]
+    return dict(zip(COMPILED, runs, strict=True))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_compiled_blocks_match_ddp(stage):
-    r = _compiled()[stage]
+@pytest.mark.parametrize("what,stage", COMPILED)
+def test_compiled_modules_match_ddp(what, stage):
+    r = _compiled()[(what, stage)]
     torch.testing.assert_close(
         torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0
     )

@@ -1,11 +1,20 @@
-"""Backward hooks that reduce each unit's gradients as soon as backward finishes it.
+"""Gradient reduction: each unit's gradients leave the rank as soon as backward finishes it.
 
 [Note: reduction order]
 Collectives must be issued in the same order on every rank. Gradients can arrive in
 a different order on different ranks (data-dependent control flow, unused
-parameters), so a finished unit is launched only when every unit before it has
-been launched; ``finalize_backward`` launches whatever is left, in index order, with
-zeros for parameters that got no gradient.
+parameters), so a finished unit is launched only when every unit before it in the
+*launch order* has been launched; ``finalize_backward`` launches whatever is left, in
+that order, with zeros for parameters that got no gradient. The launch order starts
+as the units' index order (reverse registration, about the order backward finishes
+them). A model whose forward calls its modules in another order finishes units out of
+that order, and a unit finished early waits in a staging buffer of its own: at stage 2
+about Psi extra bytes. So the first backward that reduces records the order in which
+units finished, and every rank adopts it when all ranks recorded the same one (rank
+0's order broadcast, agreement checked by one all-reduce, tag "order": two small
+collectives, once). From then on units finish in launch order and two staging buffers
+suffice; a model whose order changes from step to step falls back on temporary
+buffers, counted in the pool's ``overflows`` and in the ledger's peak.
 
 [Note: gradient storage]
 Stages 0 and 1 keep a full gradient buffer per unit and make each ``param.grad`` a
@@ -51,60 +60,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from . import comm
+from .buffers import BufferPool, BufferSource, contiguous_slices
 from .flat import FlatUnit, padded_size
 from .stages import StagePolicy
-
-
-class BufferPool:
-    """Reusable staging buffers of constant size (the paper's C_B).
-
-    When every buffer is taken and nothing is in flight to free one, a temporary one
-    is allocated and counted in ``overflows`` rather than blocking.
-    """
-
-    def __init__(self, count: int, numel: int, dtype, device):
-        self._shape = (numel, dtype, device)
-        self._free = [
-            torch.empty(numel, dtype=dtype, device=device) for _ in range(count if numel else 0)
-        ]
-        self.resident_bytes = sum(b.numel() * b.element_size() for b in self._free)
-        self.buffer_bytes = max((b.numel() * b.element_size() for b in self._free), default=0)
-        """Bytes of one buffer (0 when the pool holds none)."""
-        self.overflows = 0
-        self.temporary_bytes = 0
-        """Bytes of temporary buffers alive now."""
-        self.temporary_peak = 0
-        """The most temporary bytes alive at once: the ledger adds it to the pool's."""
-
-    def try_acquire(self) -> torch.Tensor | None:
-        return self._free.pop() if self._free else None
-
-    def acquire_temporary(self) -> torch.Tensor:
-        numel, dtype, device = self._shape
-        self.overflows += 1
-        buffer = torch.empty(numel, dtype=dtype, device=device)
-        self.temporary_bytes += buffer.numel() * buffer.element_size()
-        self.temporary_peak = max(self.temporary_peak, self.temporary_bytes)
-        return buffer
-
-    def release(self, buffer: torch.Tensor, temporary: bool) -> None:
-        if temporary:
-            self.temporary_bytes -= buffer.numel() * buffer.element_size()
-        else:
-            self._free.append(buffer)
-
-
-class BufferSource(Protocol):
-    """Somewhere to borrow a unit-sized staging buffer from (stage 3: the gather cache)."""
-
-    def take(self, numel: int) -> torch.Tensor: ...
-
-    def give(self, buffer: torch.Tensor) -> None: ...
+from .state import StateCell, TrainingState
 
 
 @dataclass
@@ -133,12 +96,14 @@ class GradReducer:
         grad_dtype: torch.dtype,
         comm_dtype: torch.dtype,
         communicator: comm.Communicator,
+        state: StateCell,
         overlap: bool,
         param_hooks: bool = True,
         staging: BufferSource | None = None,
         bucket_elements: int | None = None,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
+        self.state = state
         self.overlap = overlap
         device = units[0].flat.device
         self.full_grads: list[torch.Tensor] = []
@@ -146,10 +111,10 @@ class GradReducer:
         # M_D: every unit's resident gradient is a slice of one buffer allocated up front,
         # so these long-lived tensors never interleave with backward's temporaries.
         if policy.keep_full_grads:
-            self.full_grads = _slices([u.padded_numel for u in units], grad_dtype, device)
+            self.full_grads = contiguous_slices([u.padded_numel for u in units], grad_dtype, device)
             self._grad_views = [u.views_of(g) for u, g in zip(units, self.full_grads, strict=True)]
         else:
-            self.shard_grads = _slices([u.shard_numel for u in units], grad_dtype, device)
+            self.shard_grads = contiguous_slices([u.shard_numel for u in units], grad_dtype, device)
         self._cast = comm_dtype != grad_dtype
         self.external = staging
         largest = max(u.padded_numel for u in units)
@@ -162,15 +127,20 @@ class GradReducer:
         need_pool = stages and (staging is None or any(self._piecewise))
         staging_numel = min(largest, self.block_elements) if need_pool else 0
         self.pool = BufferPool(2, staging_numel, comm_dtype, device)
-        self._active = False
         self._first_micro = True
+        """The shard gradients hold nothing yet this step (copy, not add, into them)."""
         self._ready = [0] * len(units)
         self._filled: list[list[bool]] = [[False] * len(u.slots) for u in units]
         self._staged: dict[int, _Lease] = {}
         self._held: dict[int, list[torch.Tensor | None]] = {}
         """Oversized units at stages 2/3: their gradients, flat, until the unit launches."""
         self._launched = [False] * len(units)
+        self.order = list(range(len(units)))
+        """The launch order (unit indices). See [Note: reduction order]."""
+        self._learning = param_hooks and communicator.world > 1
+        self._finished: list[int] = []
         self._next_launch = 0
+        """Position in ``order`` of the next unit to launch."""
         self._inflight: deque[_InFlight] = deque()
         self._handles = (
             [
@@ -184,8 +154,8 @@ class GradReducer:
 
     @property
     def active(self) -> bool:
-        """Inside engine.backward, and this backward reduces (see ``pre_backward``)."""
-        return self._active
+        """Inside engine.backward, and this backward reduces."""
+        return self.state.value is TrainingState.REDUCING
 
     # -- what the optimizer reads -------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -210,12 +180,12 @@ class GradReducer:
         self._handles.clear()
 
     # -- hook points ----------------------------------------------------------------
-    def pre_backward(self, boundary: bool) -> None:
-        """Arm the hooks for one backward; ``boundary``: the step's last micro-batch."""
-        self._active = self.policy.reduce_every_micro_batch or boundary
+    def pre_backward(self) -> None:
+        """Arm the hooks for one backward (the engine has set the state already)."""
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
         self._next_launch = 0
+        self._finished = []
         self._held.clear()
         if self.policy.keep_full_grads:
             for unit, views in zip(self.units, self._grad_views, strict=True):
@@ -230,13 +200,15 @@ class GradReducer:
         return post_accumulate_grad
 
     def post_accumulate_grad(self, unit: FlatUnit, slot_index: int, param: torch.Tensor) -> None:
-        if not self._active:
+        if not self.active:
             return
         if not self.policy.keep_full_grads:
             assert param.grad is not None
             self.stage_grad(unit, slot_index, param.grad)
             param.grad = None
         self._ready[unit.index] += 1
+        if self._ready[unit.index] == len(unit.slots):
+            self._finished.append(unit.index)
         self._launch_ready()
         if not self.overlap:  # wait now: backward does not run beside a reduction
             while self._inflight:
@@ -266,20 +238,22 @@ class GradReducer:
         """Stage 3: reduce a unit as soon as autograd is done with it.
 
         See [Note: stage 3 reduction]."""
-        if self._active and not self._launched[unit.index]:
+        if self.active and not self._launched[unit.index]:
             self._launch(unit)
 
     def finalize_backward(self) -> None:
         """Launch what is left, in order (see [Note: reduction order]), and wait for all."""
-        if not self._active:
+        if not self.active:
             return
-        for unit in self.units:
-            if not self._launched[unit.index]:
-                self._launch(unit)
+        for index in self.order:
+            if not self._launched[index]:
+                self._launch(self.units[index])
         self._next_launch = len(self.units)
         while self._inflight:
             self._complete_oldest()
-        self._active = False
+        if self._learning:
+            self._learning = False
+            self._adopt_finish_order()
         if self.policy.reduce_every_micro_batch:
             self._first_micro = False
 
@@ -309,11 +283,25 @@ class GradReducer:
             self._complete_oldest()
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.units) and self._ready[self._next_launch] == len(
-            self.units[self._next_launch].slots
-        ):
-            self._launch(self.units[self._next_launch])
+        while self._next_launch < len(self.units):
+            unit = self.units[self.order[self._next_launch]]
+            if self._ready[unit.index] < len(unit.slots):
+                return
+            self._launch(unit)
             self._next_launch += 1
+
+    def _adopt_finish_order(self) -> None:
+        """Launch units from now on in the order this backward finished them, if every
+        rank saw the same order. See [Note: reduction order]."""
+        seen = set(self._finished)
+        observed = self._finished + [i for i in self.order if i not in seen]
+        device = self.units[0].flat.device
+        proposal = torch.tensor(observed, dtype=torch.int64, device=device)
+        self.comm.broadcast(proposal, "order").wait()
+        agreed = torch.tensor([int(proposal.tolist() == observed)], device=device)
+        self.comm.all_reduce(agreed, "order", op=torch.distributed.ReduceOp.MIN).wait()
+        if agreed.item() == 1:
+            self.order = observed
 
     def _source(self, unit: FlatUnit) -> tuple[torch.Tensor, _Lease | None]:
         """The unit-sized tensor to reduce, and the staging buffer it occupies."""
@@ -426,9 +414,3 @@ class GradReducer:
             self.external.give(lease.buffer)
         else:
             self.pool.release(lease.buffer, lease.temporary)
-
-
-def _slices(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Zeroed tensors of the given sizes, all views of one contiguous allocation."""
-    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
-    return list(flat.split(sizes))

@@ -1,0 +1,124 @@
+"""Buffers the engine allocates once and reuses: the gradient staging pool (the paper's
+constant buffers C_B), stage 3's cache of whole-unit buffers, and contiguous slices for
+long-lived tensors (M_D). See [Note: constant buffers] in reduce.py."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class BufferPool:
+    """Reusable staging buffers of constant size (the paper's C_B).
+
+    When every buffer is taken and nothing is in flight to free one, a temporary one
+    is allocated and counted in ``overflows`` rather than blocking.
+    """
+
+    def __init__(self, count: int, numel: int, dtype, device):
+        self._shape = (numel, dtype, device)
+        self._free = [
+            torch.empty(numel, dtype=dtype, device=device) for _ in range(count if numel else 0)
+        ]
+        self.resident_bytes = sum(b.numel() * b.element_size() for b in self._free)
+        self.buffer_bytes = max((b.numel() * b.element_size() for b in self._free), default=0)
+        """Bytes of one buffer (0 when the pool holds none)."""
+        self.overflows = 0
+        self.temporary_bytes = 0
+        """Bytes of temporary buffers alive now."""
+        self.temporary_peak = 0
+        """The most temporary bytes alive at once: the ledger adds it to the pool's."""
+
+    def try_acquire(self) -> torch.Tensor | None:
+        return self._free.pop() if self._free else None
+
+    def acquire_temporary(self) -> torch.Tensor:
+        numel, dtype, device = self._shape
+        self.overflows += 1
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.temporary_bytes += buffer.numel() * buffer.element_size()
+        self.temporary_peak = max(self.temporary_peak, self.temporary_bytes)
+        return buffer
+
+    def release(self, buffer: torch.Tensor, temporary: bool) -> None:
+        if temporary:
+            self.temporary_bytes -= buffer.numel() * buffer.element_size()
+        else:
+            self._free.append(buffer)
+
+
+class BufferSource(Protocol):
+    """Somewhere to borrow a unit-sized staging buffer from (stage 3: the gather cache)."""
+
+    def take(self, numel: int) -> torch.Tensor: ...
+
+    def give(self, buffer: torch.Tensor) -> None: ...
+
+
+def _sole_owner(buffer: torch.Tensor) -> bool:
+    """No view of ``buffer`` is alive anywhere (so its memory may be reused)."""
+    try:
+        # The tensor itself and the temporary storage object: 2 references.
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class BufferCache:
+    """Whole-unit buffers kept after release and reused by the next gather of that size.
+
+    Gathering allocates and frees the same few sizes over and over; through malloc,
+    glibc keeps such freed blocks in its heap, so the process grows well past what it
+    uses (ZeRO-R's fragmentation, on the host). Reusing the buffers keeps the resident
+    size at the gathered peak. Gradient staging at stage 3 borrows from the same cache
+    (the sizes are the units' sizes again), except for a unit larger than C_B, which
+    the reducer reduces in pieces through its own constant buffers. A buffer still
+    referenced by a view (a user kept a weight) is never reused, only dropped. Idle
+    plus lent buffers stay within the most ever lent at once (capped by ``limit``):
+    the cache never raises the high-water mark, it only keeps what the last peak will
+    need again.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, limit: int):
+        self.dtype, self.device, self.limit = dtype, device, limit
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.idle_elements = 0
+        self.lent_elements = 0
+        self.peak_lent_elements = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        self.lent_elements += numel
+        self.peak_lent_elements = max(self.peak_lent_elements, self.lent_elements)
+        free = self._free.get(numel)
+        if free:
+            self.idle_elements -= numel
+            return free.pop()
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        numel = buffer.numel()
+        self.lent_elements -= numel
+        cap = min(self.limit, self.peak_lent_elements)
+        room = cap - self.lent_elements - self.idle_elements
+        if numel <= room and _sole_owner(buffer):
+            self._free.setdefault(numel, []).append(buffer)
+            self.idle_elements += numel
+
+    @property
+    def largest_idle(self) -> int:
+        """Elements of the largest idle buffer."""
+        return max((n for n, free in self._free.items() if free), default=0)
+
+    def clear(self) -> None:
+        """Drop the idle buffers (at the end of a pass: reuse is within a pass)."""
+        self._free.clear()
+        self.idle_elements = 0
+
+
+def contiguous_slices(
+    sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Zeroed tensors of the given sizes, all views of one contiguous allocation."""
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    return list(flat.split(sizes))
