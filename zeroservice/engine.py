@@ -240,7 +240,7 @@ class Engine:
             self._broadcast_buffers()
         if self.gatherer is not None and torch.is_grad_enabled():
             g = self.gatherer
-            with torch.autograd.graph.saved_tensors_hooks(g.pack, g.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(g.saved.pack, g.saved.unpack):
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 

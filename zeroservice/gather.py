@@ -3,8 +3,9 @@
 [Note: gather and release]
 Every rank keeps only its shard of each unit. A group's forward (partition.py)
 gathers its units into fresh buffers on entry and drops them on exit. What the
-module sees as ``self.weight`` is served by a property on its class: the view of
-the gathered buffer that a ``_GatherUnit`` autograd node produced for this window.
+module sees as ``self.weight`` is served by a property on its class (param_access.py):
+the view of the gathered buffer that a ``_GatherUnit`` autograd node produced for this
+window.
 The module's registered nn.Parameter stays in place as an empty placeholder (so
 ``parameters()``, dtype and device queries keep working) but holds no data.
 
@@ -13,8 +14,9 @@ Three things make this hold for arbitrary models:
 * Saved tensors. Autograd keeps the weights it needs for backward. A saved-tensor
   hook replaces every tensor that aliases a gathered buffer by a reference (unit,
   offset, shape, stride) and, in backward, gathers the unit again and returns the
-  same view of the new buffer. So a buffer can be released after forward whatever
-  the module did with its weights, and backward gathers exactly what it reads.
+  same view of the new buffer (saved_tensors.py). So a buffer can be released after
+  forward whatever the module did with its weights, and backward gathers exactly what
+  it reads.
 * Uses outside the owner's window. A property read of a released unit inside a
   forward (a tied weight read by another group, a block's weight read by its
   neighbour) gathers the unit on demand for the innermost open window.
@@ -24,21 +26,14 @@ Three things make this hold for arbitrary models:
   (or, for a node that never fires, when backward ends). See [Note: stage 3
   reduction] in reduce.py.
 
-[Note: prefetch]
-Each pass (forward, backward) records the order in which it requested units. The
-next pass follows the recorded order: on each request it issues the gathers of the
-units that come next, as long as the gathered elements (including in-flight
-gathers) stay within ``stage3_prefetch_elements``. A request that departs from the
-plan stops prefetching for the rest of that pass, and the pass's own order becomes
-the next plan. Decisions depend only on counts, never on timing, so every rank
-issues the same collectives in the same order.
+Prefetching follows each pass's recorded order: see [Note: prefetch] in prefetch.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -48,7 +43,10 @@ from . import comm
 from .buffers import BufferCache
 from .flat import FlatUnit
 from .gather_check import GatherCheck
+from .param_access import ParamAccess
+from .prefetch import PrefetchPlan
 from .reduce import GradReducer
+from .saved_tensors import SavedTensorRefs
 from .state import Pass
 
 
@@ -63,18 +61,8 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.gatherer.unit_backward(ctx.index, grads)
+        ctx.gatherer.post_backward(ctx.index, grads)
         return None, None, None
-
-
-@dataclass(frozen=True)
-class _SavedRef:
-    """A saved tensor that aliased a gathered buffer: where to find it again."""
-
-    unit: int
-    offset: int
-    size: torch.Size
-    stride: tuple[int, ...]
 
 
 @dataclass
@@ -83,33 +71,6 @@ class _Live:
     pending: comm.Pending | None
     version: int = -1
     """The buffer's autograd version once gathered: an in-place write changes it."""
-
-
-@dataclass
-class _Order:
-    """See [Note: prefetch]."""
-
-    plan: list[int] = field(default_factory=list)
-    current: list[int] = field(default_factory=list)
-    pos: int = 0
-    following: bool = False
-
-
-_MANAGED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
-
-
-def _managed_class(cls: type, names: frozenset[str]) -> type:
-    """A subclass of ``cls`` whose ``names`` read through the gatherer."""
-    key = (cls, names)
-    if key not in _MANAGED_CLASSES:
-
-        def getter(name: str, module: nn.Module) -> torch.Tensor:
-            return module.__dict__["_zeroservice_gatherer"].param(module, name)
-
-        namespace: dict[str, object] = {n: property(partial(getter, n)) for n in names}
-        namespace["_zeroservice_original_class"] = cls
-        _MANAGED_CLASSES[key] = type(cls.__name__, (cls,), namespace)
-    return _MANAGED_CLASSES[key]
 
 
 class ParamGatherer:
@@ -141,10 +102,11 @@ class ParamGatherer:
         self._by_storage: dict[int, int] = {}
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._windows: list[list[int]] = []
-        self._touched: set[int] = set()
         self._expected = [0] * len(units)
         self._fired = [0] * len(units)
-        self._orders = {Pass.FORWARD: _Order(), Pass.BACKWARD: _Order()}
+        self.plan = PrefetchPlan()
+        self.saved = SavedTensorRefs(self)
+        """The saved-tensor hooks a forward under this gatherer runs with."""
         self.checkpointed: set[int] = set()
         """ids of modules whose forward runs without a graph and is recomputed in backward
         (activations.py): their first forward builds no gather nodes."""
@@ -155,40 +117,24 @@ class ParamGatherer:
         """Gathers issued when a unit was needed (the first of a pass, or off-plan)."""
         self.prefetched_gathers = 0
         """Gathers issued ahead of use, following the recorded order."""
-        self._slots: dict[tuple[int, str], tuple[int, int]] = {}
-        self._install_properties()
+        self._access = ParamAccess(root, units, self)
         self.groups = [indices for _, indices in groups]
         """Per group module, the indices of the units its forward gathers."""
         self._handles = []
         for module, indices in groups:
             is_root = module is root
             self._handles.append(
-                module.register_forward_pre_hook(partial(self._enter, indices, is_root))
+                module.register_forward_pre_hook(partial(self.pre_forward, indices, is_root))
             )
             self._handles.append(
-                module.register_forward_hook(partial(self._exit, is_root), always_call=True)
+                module.register_forward_hook(partial(self.post_forward, is_root), always_call=True)
             )
         comm.wait_all([self._issue(i) for i in sorted(self.persistent)])
 
     # -- what modules see ---------------------------------------------------------
-    def _install_properties(self) -> None:
-        modules = dict(self.root.named_modules(remove_duplicate=False))
-        names: dict[int, tuple[nn.Module, set[str]]] = {}
-        for unit in self.units:
-            for s, slot in enumerate(unit.slots):
-                for qual in slot.names:
-                    owner, _, local = qual.rpartition(".")
-                    module = modules[owner]
-                    self._slots[(id(module), local)] = (unit.index, s)
-                    names.setdefault(id(module), (module, set()))[1].add(local)
-        self._managed = [module for module, _ in names.values()]
-        for module, local_names in names.values():
-            module.__dict__["_zeroservice_gatherer"] = self
-            module.__class__ = _managed_class(type(module), frozenset(local_names))
-
     def param(self, module: nn.Module, name: str) -> torch.Tensor:
         """The value of ``module.<name>``: the gathered view, gathered on demand in forward."""
-        index, slot = self._slots[(id(module), name)]
+        index, slot = self._access.slots[(id(module), name)]
         views = self._views.get(index)
         if views is None:
             if not self._windows:
@@ -203,9 +149,10 @@ class ParamGatherer:
         return self.units[index].views_of(self._buffer(index))
 
     # -- forward windows ------------------------------------------------------------
-    def _enter(self, indices: list[int], is_root: bool, module, args) -> None:
+    def pre_forward(self, indices: list[int], is_root: bool, module, args) -> None:
+        """A group's forward begins: gather its units into a new window."""
         if is_root and not self._windows:
-            self._begin_pass(Pass.FORWARD)
+            self.plan.begin(Pass.FORWARD)
         window: list[int] = []
         self._windows.append(window)
         graph = torch.is_grad_enabled() and (
@@ -224,7 +171,8 @@ class ParamGatherer:
         finally:
             self._recomputing -= 1
 
-    def _exit(self, is_root: bool, module, args, output) -> None:
+    def post_forward(self, is_root: bool, module, args, output) -> None:
+        """A group's forward ends: release its window (the root's: everything)."""
         for index in self._windows.pop():
             self._views.pop(index, None)
             self._release(index)
@@ -232,7 +180,7 @@ class ParamGatherer:
             self._views.clear()
             self._release_all()
             self.cache.clear()  # idle buffers would sit beside the activations' peak
-            self._end_pass(Pass.FORWARD)
+            self.plan.end(Pass.FORWARD)
             for index in self.persistent:
                 self._check_unmodified(index, self._live[index])
 
@@ -250,30 +198,24 @@ class ParamGatherer:
         window.append(index)
 
     # -- backward -------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor):
-        """Saved-tensor hook: replace aliases of gathered buffers by references."""
-        try:
-            key = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return tensor
-        index = self._by_storage.get(key)
-        if index is None or tensor.dtype != self.dtype:
-            return tensor
-        return _SavedRef(index, int(tensor.storage_offset()), tensor.size(), tensor.stride())
+    def unit_of_storage(self, data_ptr: int) -> int | None:
+        """The live unit whose buffer has this storage (saved_tensors.py)."""
+        return self._by_storage.get(data_ptr)
 
-    def unpack(self, saved):
-        if type(saved) is not _SavedRef:
-            return saved
-        if saved.unit not in self._live or saved.unit not in self._touched:
-            self._touched.add(saved.unit)
-            self._request(saved.unit, Pass.BACKWARD)
-        return self._buffer(saved.unit).as_strided(saved.size, saved.stride, saved.offset)
+    def buffer_for_backward(self, index: int, first_use: bool) -> torch.Tensor:
+        """A unit's buffer for a saved reference: gathered again if released, and each
+        unit's first read in a backward counts as a request of the backward pass."""
+        if index not in self._live or first_use:
+            self._request(index, Pass.BACKWARD)
+        return self._buffer(index)
 
     def begin_backward(self) -> None:
-        self._touched.clear()
-        self._begin_pass(Pass.BACKWARD)
+        self.saved.begin_backward()
+        self.plan.begin(Pass.BACKWARD)
 
-    def unit_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+    def post_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Autograd is done with one use of a unit (its ``_GatherUnit`` node fired): stage
+        its gradients; after the last use, release it and launch its reduction."""
         if not self.reducer.active:
             raise RuntimeError(
                 "stage 3: gradients reached the engine outside engine.backward(loss); "
@@ -297,7 +239,7 @@ class ParamGatherer:
         self.cache.clear()
         self._expected = [0] * len(self.units)
         self._fired = [0] * len(self.units)
-        self._end_pass(Pass.BACKWARD)
+        self.plan.end(Pass.BACKWARD)
 
     # -- after the optimizer step -----------------------------------------------------
     def refresh_persistent(self) -> list[comm.Pending]:
@@ -345,20 +287,16 @@ class ParamGatherer:
         """Make sure ``index`` is gathered (or on its way), following and recording the plan."""
         if index in self.persistent:
             return
-        order = self._orders[phase]
-        order.current.append(index)
-        if order.following and order.pos < len(order.plan) and order.plan[order.pos] == index:
-            order.pos += 1
-        else:
-            order.following = False
+        following = self.plan.record(index, phase)
         if index not in self._live:
             self._issue(index)
             self.on_demand_gathers += 1
-        if order.following:
-            self._prefetch(order)
+        if following:
+            self._prefetch(phase)
 
-    def _prefetch(self, order: _Order) -> None:
-        for index in order.plan[order.pos :]:
+    def _prefetch(self, phase: Pass) -> None:
+        """Gather the plan's next units while they fit the budget (see prefetch.py)."""
+        for index in self.plan.upcoming(phase):
             if index in self._live or index in self.persistent:
                 continue
             if self.live_elements + self.units[index].padded_numel > self.prefetch_elements:
@@ -389,14 +327,6 @@ class ParamGatherer:
         for index in list(self._live):
             self._release(index)
 
-    def _begin_pass(self, phase: Pass) -> None:
-        order = self._orders[phase]
-        order.current, order.pos, order.following = [], 0, bool(order.plan)
-
-    def _end_pass(self, phase: Pass) -> None:
-        order = self._orders[phase]
-        order.plan, order.current = order.current, []
-
     # -- ledger and teardown ----------------------------------------------------------
     @property
     def live_bytes(self) -> int:
@@ -425,9 +355,7 @@ class ParamGatherer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in self._managed:
-            module.__class__ = type(module)._zeroservice_original_class  # type: ignore[attr-defined]
-            module.__dict__.pop("_zeroservice_gatherer", None)
+        self._access.restore()
         self._views.clear()
         self._release_all()
         self.cache.clear()

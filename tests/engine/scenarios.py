@@ -20,6 +20,7 @@ from tests.engine import harness
 from zeroservice.config import ScheduleConfig, ZeroConfig
 from zeroservice.models import GPT, GPTConfig
 from zeroservice.schedule import lr_factor
+from zeroservice.state import Pass
 
 TINY = dict(vocab_size=512, seq_len=32, n_layer=2, n_head=4, dim=64)
 
@@ -234,7 +235,7 @@ def _gather_counts(engine) -> dict:
     g = engine.gatherer
     if g is None:
         return {}
-    backward = set(g._orders["backward"].plan)
+    backward = set(g.plan.recorded(Pass.BACKWARD))
     return {
         "on_demand": g.on_demand_gathers,
         "prefetched": g.prefetched_gathers,

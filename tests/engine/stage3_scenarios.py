@@ -339,7 +339,9 @@ class _SkipsABlock(nn.Module):
 def divergent_control_flow() -> str:
     """Rank 1 skips a block that rank 0 runs: the gather check must name both units."""
     torch.manual_seed(0)
-    config = ZeroConfig(stage=3, stage3_check_gathers=True, stage3_persistence_elements=0)
+    config = ZeroConfig(
+        stage=3, stage3_check_gathers=True, stage3_persistence_elements=0, bucket_elements=1024
+    )  # one unit per block
     engine = zeroservice.initialize(_SkipsABlock(), config, lambda ps: torch.optim.SGD(ps, 0.1))
     try:
         loss = engine(torch.randn(4, 16), skip=dist.get_rank() == 1)
