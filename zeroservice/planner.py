@@ -579,6 +579,37 @@ def model_state_bytes_for_module(
     return sum(model_state_kinds(stage, precision, psi_padded, dp, optimizer_bytes))
 
 
+def frozen_bytes_for_module(
+    module: nn.Module,
+    *,
+    dp: int,
+    stage: int,
+    precision: str,
+    bucket_elements: int | None = None,
+    stage3_grouping: str = "blocks",
+) -> int:
+    """Bytes per rank of the module's frozen parameters (``requires_grad=False``): their
+    padded units in the training dtype, this rank's 1/N_d of them at stage 3; no
+    gradient, master or optimizer state. The engine's ``memory_ledger().frozen``."""
+    from .flat import padded_size
+    from .units import plan_layout
+
+    _check_precision(precision)
+    _check_int("dp", dp, 1)
+    layout = plan_layout(
+        module,
+        stage=stage,
+        world=dp,
+        bucket_elements=bucket_elements,
+        stage3_grouping=stage3_grouping,
+    )
+    shard_world = dp if stage > 0 else 1
+    frozen = [c for c in layout.chunks if not c[0][1].requires_grad]
+    padded = sum(padded_size(sum(p.numel() for _, p in c), shard_world) for c in frozen)
+    held = padded // dp if stage == 3 else padded
+    return held * PARAM_BYTES[precision]
+
+
 # -- helpers ------------------------------------------------------------------------------
 
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroservice
+from tests.engine import harness
 from zeroservice.config import ScheduleConfig, ZeroConfig
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.models import GPT, GPTConfig
@@ -56,28 +56,21 @@ def _batch(step: int):
     return micro_batch(data, step, 0, 2, dist.get_rank(), dist.get_world_size(), 1)
 
 
-def _mean(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+def _batches(step: int, accum: int) -> list:
+    return [_batch(step)]
 
 
 def reference(spec: GroupSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model()
-    ddp = DDP(model)
-    opt = two_groups(spec.optimizer)(model.parameters())
+    """DDP with the same two groups and each group's lr scaled by the schedule."""
     cfg = ScheduleConfig(**spec.schedule)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
-    losses = []
-    for step in range(spec.steps):
-        x, y = _batch(step)
-        loss = ddp(x, y)
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(_mean(loss.item()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    run = harness.run_ddp(
+        _model(),
+        two_groups(spec.optimizer),
+        _batches,
+        spec.steps,
+        lr_lambda=lambda s: lr_factor(cfg, s),
+    )
+    return run.losses, run.state
 
 
 def engine_for(spec: GroupSpec, module: torch.nn.Module | None = None):
@@ -91,14 +84,7 @@ def engine_for(spec: GroupSpec, module: torch.nn.Module | None = None):
 
 
 def train(engine, steps: int, first: int = 0) -> list[float]:
-    losses = []
-    for step in range(first, first + steps):
-        x, y = _batch(step)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(_mean(loss.item()))
-    return losses
+    return harness.run_engine(engine, _batches, steps, start=first, keep_state=False).losses
 
 
 def parity(specs: list[GroupSpec]) -> list[dict]:

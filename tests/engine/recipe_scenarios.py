@@ -32,12 +32,6 @@ class _Norms(nn.Module):
         return self.head(x).square().mean()
 
 
-def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
 def _batch(step: int, rank: int, width: int = 16) -> torch.Tensor:
     g = torch.Generator().manual_seed(step * 10 + rank)
     return torch.randn(8, width, generator=g) * (1 + rank)  # ranks see different statistics
@@ -67,12 +61,12 @@ def _batchnorm_at(stage: int, steps: int) -> dict:
         loss = engine(x)
         engine.backward(loss)
         engine.step()
-        losses.append(_mean_over_ranks(loss.item()))
+        losses.append(harness.mean_over_ranks(loss.item()))
         ref_loss = ddp(x)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(_mean_over_ranks(ref_loss.item()))
+        ref_losses.append(harness.mean_over_ranks(ref_loss.item()))
     return {
         "losses": losses,
         "ref_losses": ref_losses,
@@ -139,12 +133,12 @@ def _compiled_at(what: str, stage: int, steps: int) -> dict:
         loss = engine(x)
         engine.backward(loss)
         engine.step()
-        losses.append(_mean_over_ranks(loss.item()))
+        losses.append(harness.mean_over_ranks(loss.item()))
         ref_loss = ddp(x)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(_mean_over_ranks(ref_loss.item()))
+        ref_losses.append(harness.mean_over_ranks(ref_loss.item()))
     return {"losses": losses, "ref_losses": ref_losses}
 
 

@@ -12,6 +12,7 @@ from tests.engine.frozen_scenarios import LoRANet, frozen_names, lora_vs_ddp
 from tests.engine.harness import assert_matches_ddp, combine_ranks
 from zeroservice.checkpoint import export_checkpoint
 from zeroservice.launch import run_local
+from zeroservice.planner import frozen_bytes_for_module
 
 STAGES = (0, 1, 2, 3)
 
@@ -43,6 +44,11 @@ def test_frozen_bytes_in_the_ledger(stage):
         assert sum(n for n, _ in r["frozen_units"]) == psi_f == ledger["frozen_psi"]
         # 4 bytes per padded element (fp32), only this rank's 1/N_d at stage 3.
         assert ledger["frozen"] == 4 * padded // (2 if stage == 3 else 1)
+        # The planner predicts it to the byte from the module alone.
+        planned = frozen_bytes_for_module(
+            LoRANet(), dp=2, stage=stage, precision="fp32", bucket_elements=2048
+        )
+        assert planned == ledger["frozen"]
         assert abs(ledger["frozen"] - 4 * psi_f / (2 if stage == 3 else 1)) < 4 * 2 * len(
             r["frozen_units"]
         )
@@ -56,6 +62,10 @@ def test_frozen_bf16_bytes():
     for r in _run(2, "bf16"):
         padded = sum(padded for _, padded in r["frozen_units"])
         assert r["ledger"]["frozen"] == 2 * padded
+        planned = frozen_bytes_for_module(
+            LoRANet(), dp=2, stage=2, precision="bf16", bucket_elements=2048
+        )
+        assert planned == r["ledger"]["frozen"]
 
 
 @pytest.mark.parametrize("stage", (1, 3))
