@@ -46,6 +46,7 @@ from .units import plan_layout
 
 if TYPE_CHECKING:
     from .checkpoint.background import SaveHandle
+    from .checkpoint.state import Counters, ShardedState
 
 
 @dataclass
@@ -398,10 +399,11 @@ class Engine:
         self.wait_for_save()
         self._saves += 1
         root = self._slice_root(root, must_exist=False)
+        state = self._sharded_state()
         if background:
-            self._pending_save = save_in_background(self, root, client_state, keep, self._saves)
+            self._pending_save = save_in_background(state, root, client_state, keep, self._saves)
             return self._pending_save
-        return save_checkpoint(self, root, client_state, keep)
+        return save_checkpoint(state, root, client_state, keep)
 
     def wait_for_save(self):
         """Block until the last background save is committed (collective: every rank
@@ -419,7 +421,8 @@ class Engine:
         engine's world size and stage; returns a LoadResult (path, step, client_state)."""
         from .checkpoint import CheckpointError, load_checkpoint
 
-        result = load_checkpoint(self, self._slice_root(path, must_exist=True))
+        result = load_checkpoint(self._sharded_state(), self._slice_root(path, must_exist=True))
+        self._restore(result.counters)
         if self.mp_size > 1:
             # Each MP slice falls back on its own; they must have landed on one step.
             steps: list[int | None] = [None] * self.mp_size
@@ -430,6 +433,52 @@ class Engine:
                     "(a slice's newest checkpoint is damaged); load an explicit step"
                 )
         return result
+
+    def _sharded_state(self) -> ShardedState:
+        """What checkpoint/ reads and writes: this rank's tensors by reference, the step
+        counters and the run's description (see checkpoint/state.py)."""
+        from .checkpoint.state import Counters, ShardedState
+
+        counters = Counters(
+            self.global_steps,
+            self.applied_steps,
+            self.scaler.state_dict() if self.scaler is not None else None,
+        )
+        return ShardedState(
+            units=self.units,
+            masters=self.optimizer.masters,
+            optimizer=self.optimizer.optimizer,
+            module=self.module,
+            whole=self.policy.shard_world == 1,
+            rank=self.dp_rank,
+            world=self.dp_world,
+            group=self.group,
+            counters=counters,
+            pending_micro_steps=self.micro_steps,
+            description={
+                "mp": self.mp_size,
+                "mp_rank": self.mp_rank,
+                "stage": self.config.stage,
+                "precision": self.config.precision,
+                "psi": self.psi,
+            },
+        )
+
+    def _restore(self, counters: Counters) -> None:
+        """After a load wrote the masters: the counters, the parameters published from
+        the masters (and frozen shards gathered), no gradient held."""
+        pending = self.optimizer.publish_params(tag="load")
+        frozen = self.units[len(self.trainable_units) :]
+        if self.policy.gathers_params:
+            pending += [self.comm.all_gather(u.flat, "load") for u in frozen if not u.partitioned]
+        if self.gatherer is not None:
+            pending += self.gatherer.refresh_persistent()
+        comm.wait_all(pending)
+        self.global_steps = counters.global_steps
+        self.applied_steps = counters.applied_steps
+        if self.scaler is not None and counters.loss_scaler:
+            self.scaler.load_state_dict(counters.loss_scaler)
+        self.reducer.zero_grads()
 
     def _slice_root(self, path, must_exist: bool) -> Path:
         """With model parallelism each MP slice is a checkpoint of its own over the DP

@@ -228,7 +228,7 @@ class ShardedOptimizer:
             master.grad = None
         return StepResult(norm, skipped=False)
 
-    def publish_params(self) -> list[comm.Pending]:
+    def publish_params(self, tag: str = "params") -> list[comm.Pending]:
         """Write the updated masters into the parameter buffers and start the all-gathers."""
         pending = []
         for unit, master in zip(self.units, self.masters, strict=True):
@@ -236,5 +236,5 @@ class ShardedOptimizer:
             if self.mixed or self.offload:
                 piece.copy_(master.detach(), non_blocking=self.offload)
             if self.policy.gathers_params and not unit.partitioned:
-                pending.append(self.comm.all_gather(unit.flat, "params"))
+                pending.append(self.comm.all_gather(unit.flat, tag))
         return pending

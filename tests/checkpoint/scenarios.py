@@ -64,10 +64,10 @@ def save_every(
     if die_at is not None and dist.get_rank() == 1:
         real = save.write_rank_file
 
-        def dying(path, eng, kinds):
-            if eng.global_steps == die_at:
+        def dying(path, state, kinds):
+            if state.counters.global_steps == die_at:
                 os._exit(17)
-            return real(path, eng, kinds)
+            return real(path, state, kinds)
 
         save.write_rank_file = dying
     for step in range(steps):

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .files import CheckpointError, atomic_write_bytes
 from .manifest import MANIFEST, step_dir_name, write_manifest
@@ -28,9 +28,7 @@ from .save import (
     snapshot_items,
     write_items,
 )
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from .state import ShardedState
 
 
 class SaveHandle:
@@ -64,7 +62,7 @@ class SaveHandle:
 
 
 def save_in_background(
-    engine: Engine,
+    state: ShardedState,
     root: str | Path,
     client_state: dict[str, Any] | None,
     keep: int,
@@ -73,15 +71,15 @@ def save_in_background(
 ) -> SaveHandle:
     """Snapshot this rank's state and write it on a thread. ``sequence`` numbers the
     engine's saves (the same on every rank) so reports of an older attempt are ignored."""
-    check_savable(engine, keep)
-    directory = Path(root) / step_dir_name(engine.global_steps)
-    rank, world = engine.dp_rank, engine.dp_world
+    check_savable(state, keep)
+    directory = Path(root) / step_dir_name(state.counters.global_steps)
+    rank, world = state.rank, state.world
     directory.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         (directory / MANIFEST).unlink(missing_ok=True)
-    kinds, scalars = per_element_kinds(engine)
-    items = snapshot_items(engine, kinds, copy=True)
-    header = manifest_header(engine, kinds, scalars, client_state) if rank == 0 else None
+    kinds, scalars = per_element_kinds(state)
+    items = snapshot_items(state, kinds, copy=True)
+    header = manifest_header(state, kinds, scalars, client_state) if rank == 0 else None
     rng = rng_state()
     name = f"rank-{rank:05d}.bin"
 

@@ -18,20 +18,17 @@ import base64
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from .files import CheckpointError, SegmentReader, dtype_of
 from .layout import Piece, held_pieces
 from .manifest import candidates, read_manifest
 from .save import persistent_buffers
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from .state import Counters, ShardedState
 
 
 class CheckpointMismatch(CheckpointError):
@@ -43,6 +40,8 @@ class LoadResult:
     path: Path
     step: int
     client_state: dict[str, Any]
+    counters: Counters
+    """The engine's step counters at the save: the engine applies them."""
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     """Newer checkpoints passed over, and why."""
 
@@ -54,7 +53,7 @@ Read = tuple[dict[str, Any], int, int, int]
 class _Plan:
     """Every read this rank needs, grouped by destination."""
 
-    def __init__(self, engine: Engine, manifest: dict[str, Any], directory: Path):
+    def __init__(self, state: ShardedState, manifest: dict[str, Any], directory: Path):
         self.directory, self.manifest = directory, manifest
         self.kinds: list[str] = manifest.get("kinds", ["master"])
         by_name = {n: p for p in manifest["params"] for n in p["names"]}
@@ -63,14 +62,13 @@ class _Plan:
             index.setdefault((seg["param"], seg["kind"]), []).append(seg)
         self.reads: dict[tuple[int, str], list[Read]] = {}
         self.files: set[str] = set()
-        whole = engine.policy.shard_world == 1
-        for piece in held_pieces(engine.units, whole):
+        for piece in held_pieces(state.units, state.whole):
             saved = _match(piece, by_name, directory)
             for kind in ["master"] if piece.unit.frozen else self.kinds:
                 segs = index.get((saved["name"], kind), [])
                 self._cover(piece, kind, segs, saved["name"])
         self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        for name, buffer in persistent_buffers(engine.module):
+        for name, buffer in persistent_buffers(state.module):
             segs = index.get((name, "buffer"), [])
             if not segs:
                 raise CheckpointMismatch(f"{directory}: no entry for buffer {name}")
@@ -93,8 +91,8 @@ class _Plan:
                 f"of {name} (a rank's file is not listed)"
             )
 
-    def run(self, reader: SegmentReader, apply: Engine | None) -> None:
-        """Read (and check) everything; with ``apply``, copy it into the engine."""
+    def run(self, reader: SegmentReader, apply: ShardedState | None) -> None:
+        """Read (and check) everything; with ``apply``, copy it into that state."""
         for (unit_index, kind), reads in self.reads.items():
             target = _target(apply, unit_index, kind) if apply is not None else None
             for seg, a, b, dest in reads:
@@ -122,17 +120,17 @@ def _match(piece: Piece, by_name: dict[str, dict[str, Any]], directory: Path) ->
     raise CheckpointMismatch(f"{directory}: no entry for parameter {' / '.join(piece.slot.names)}")
 
 
-def _target(engine: Engine, unit_index: int, kind: str) -> torch.Tensor:
-    unit = engine.units[unit_index]
+def _target(state: ShardedState, unit_index: int, kind: str) -> torch.Tensor:
+    unit = state.units[unit_index]
     if unit.frozen:
         return unit.param_shard
-    master = engine.optimizer.masters[unit_index]
+    master = state.masters[unit_index]
     if kind == "master":
         return master.data
-    state = engine.optimizer.optimizer.state[master]
-    if kind not in state:
-        state[kind] = torch.zeros_like(master, memory_format=torch.preserve_format)
-    return state[kind]
+    per_param = state.optimizer.state[master]
+    if kind not in per_param:
+        per_param[kind] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    return per_param[kind]
 
 
 def _all_errors(error: str | None, group) -> list[str]:
@@ -142,9 +140,10 @@ def _all_errors(error: str | None, group) -> list[str]:
     return list(dict.fromkeys(e for e in errors if e is not None))
 
 
-def load_checkpoint(engine: Engine, path: str | Path) -> LoadResult:
-    """Load ``path`` (a checkpoint directory, or a root: its newest valid checkpoint)."""
-    if engine.micro_steps:
+def load_checkpoint(state: ShardedState, path: str | Path) -> LoadResult:
+    """Load ``path`` (a checkpoint directory, or a root: its newest valid checkpoint) into
+    ``state``; the caller applies the returned counters and publishes the parameters."""
+    if state.pending_micro_steps:
         raise CheckpointError("load: gradients are being accumulated; load between steps")
     skipped: list[tuple[Path, str]] = []
     for directory in candidates(path):
@@ -153,8 +152,8 @@ def load_checkpoint(engine: Engine, path: str | Path) -> LoadResult:
         reader: SegmentReader | None = None
         try:
             manifest = read_manifest(directory)
-            _check_optimizer(engine, manifest, directory)
-            plan = _Plan(engine, manifest, directory)
+            _check_optimizer(state, manifest, directory)
+            plan = _Plan(state, manifest, directory)
             reader = SegmentReader(directory, manifest["files"])
             reader.check_files(plan.files)
             plan.run(reader, apply=None)
@@ -162,12 +161,18 @@ def load_checkpoint(engine: Engine, path: str | Path) -> LoadResult:
             raise
         except (CheckpointError, OSError) as exc:
             error = str(exc)
-        errors = _all_errors(error, engine.group)
+        errors = _all_errors(error, state.group)
         if not errors:
             assert plan is not None and reader is not None
-            _apply(engine, plan, reader)
+            _apply(state, plan, reader)
             reader.close()
-            return LoadResult(directory, manifest["step"], manifest["client_state"], skipped)
+            saved = manifest["engine"]
+            counters = Counters(
+                saved["global_steps"], saved["applied_steps"], saved.get("loss_scaler")
+            )
+            return LoadResult(
+                directory, manifest["step"], manifest["client_state"], counters, skipped
+            )
         if reader is not None:
             reader.close()
         skipped.append((directory, "; ".join(errors)))
@@ -175,15 +180,15 @@ def load_checkpoint(engine: Engine, path: str | Path) -> LoadResult:
     raise CheckpointError(f"{path}: no complete, valid checkpoint ({reasons})")
 
 
-def _check_optimizer(engine: Engine, manifest: dict[str, Any], directory: Path) -> None:
+def _check_optimizer(state: ShardedState, manifest: dict[str, Any], directory: Path) -> None:
     saved = manifest.get("optimizer", {}).get("class")
-    ours = type(engine.optimizer.optimizer).__name__
+    ours = type(state.optimizer).__name__
     if saved is not None and saved != ours and len(manifest.get("kinds", [])) > 1:
         raise CheckpointMismatch(
             f"{directory}: optimizer states are {saved}'s; this engine runs {ours}"
         )
     groups = manifest.get("optimizer", {}).get("param_groups")
-    mine = engine.optimizer.optimizer.param_groups
+    mine = state.optimizer.param_groups
     if groups is not None and len(groups) != len(mine):
         raise CheckpointMismatch(
             f"{directory}: optimizer param_groups: the checkpoint has {len(groups)} groups, "
@@ -191,48 +196,34 @@ def _check_optimizer(engine: Engine, manifest: dict[str, Any], directory: Path) 
         )
 
 
-def _restore_group_hyperparameters(engine: Engine, manifest: dict[str, Any]) -> None:
+def _restore_group_hyperparameters(state: ShardedState, manifest: dict[str, Any]) -> None:
     """Each group's saved scalars (lr, weight_decay, betas...) over the factory's."""
     saved = manifest.get("optimizer", {}).get("param_groups") or []
-    for group, values in zip(engine.optimizer.optimizer.param_groups, saved, strict=False):
+    for group, values in zip(state.optimizer.param_groups, saved, strict=False):
         for key, value in values.items():
             if key in group:
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
-def _apply(engine: Engine, plan: _Plan, reader: SegmentReader) -> None:
-    for master in engine.optimizer.masters:
+def _apply(state: ShardedState, plan: _Plan, reader: SegmentReader) -> None:
+    """Write the checked checkpoint into ``state``'s tensors and this process's random
+    generators; the engine then applies the counters and publishes the parameters."""
+    for master in state.masters:
         master.data.zero_()  # padding stays zero
-    plan.run(reader, apply=engine)
-    _restore_group_hyperparameters(engine, plan.manifest)
+    plan.run(reader, apply=state)
+    _restore_group_hyperparameters(state, plan.manifest)
     scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
-    for master in engine.optimizer.masters:
-        state = engine.optimizer.optimizer.state[master]
+    for master in state.masters:
+        per_param = state.optimizer.state[master]
         for key, spec in scalars.items():
             if "dtype" in spec:
                 value = torch.tensor(spec["value"], dtype=dtype_of(spec["dtype"]))
-                state[key] = value.reshape(spec["shape"]).to(master.device)
+                per_param[key] = value.reshape(spec["shape"]).to(master.device)
             else:
-                state[key] = spec["value"]
-    pending = []
-    for unit, master in zip(engine.trainable_units, engine.optimizer.masters, strict=True):
-        if engine.optimizer.mixed or engine.optimizer.offload:
-            unit.param_shard.copy_(master.detach())
-    for unit in engine.units:
-        if engine.policy.gathers_params and not unit.partitioned:
-            pending.append(engine.comm.all_gather(unit.flat, "load"))
-    if engine.gatherer is not None:
-        pending += engine.gatherer.refresh_persistent()
-    comm.wait_all(pending)
-    counters = plan.manifest["engine"]
-    engine.global_steps = counters["global_steps"]
-    engine.applied_steps = counters["applied_steps"]
-    if engine.scaler is not None and counters.get("loss_scaler"):
-        engine.scaler.load_state_dict(counters["loss_scaler"])
-    engine.reducer.zero_grads()
+                per_param[key] = spec["value"]
     rng = plan.manifest.get("rng", [])
-    if engine.dp_rank < len(rng):
-        _restore_rng(rng[engine.dp_rank])
+    if state.rank < len(rng):
+        _restore_rng(rng[state.rank])
 
 
 def _bytes(encoded: str) -> torch.Tensor:

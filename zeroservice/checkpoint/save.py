@@ -12,8 +12,9 @@ import os
 import random
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,18 +23,15 @@ import torch.distributed as dist
 from .files import CheckpointError, fsync_dir, write_segment
 from .layout import held_pieces
 from .manifest import FORMAT, MANIFEST, VERSION, candidates, step_dir_name, write_manifest
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from .state import ShardedState
 
 
-def per_element_kinds(engine: Engine) -> tuple[list[str], dict[str, Any]]:
+def per_element_kinds(state: ShardedState) -> tuple[list[str], dict[str, Any]]:
     """Optimizer state keys that are shard-sized (saved per element), and the scalars."""
-    opt = engine.optimizer.optimizer
-    first = opt.state.get(engine.optimizer.masters[0], {})
+    master = state.masters[0]
+    first = state.optimizer.state.get(master, {})
     kinds, scalars = [], {}
     for key, value in first.items():
-        master = engine.optimizer.masters[0]
         if isinstance(value, torch.Tensor) and value.numel() == master.numel() > 1:
             kinds.append(key)
         elif isinstance(value, torch.Tensor):
@@ -47,42 +45,42 @@ def per_element_kinds(engine: Engine) -> tuple[list[str], dict[str, Any]]:
     return kinds, scalars
 
 
-def _state_tensor(engine: Engine, unit_index: int, kind: str) -> torch.Tensor:
-    unit = engine.units[unit_index]
+def _state_tensor(state: ShardedState, unit_index: int, kind: str) -> torch.Tensor:
+    unit = state.units[unit_index]
     if unit.frozen:  # its values, saved as fp32 like every master
         return unit.param_shard.float()
-    master = engine.optimizer.masters[unit_index]
+    master = state.masters[unit_index]
     if kind == "master":
         return master.detach()
-    return engine.optimizer.optimizer.state[master][kind]
+    return state.optimizer.state[master][kind]
 
 
 Item = tuple[dict[str, Any], torch.Tensor]
 """A segment's description and its data."""
 
 
-def snapshot_items(engine: Engine, kinds: list[str], copy: bool) -> list[Item]:
+def snapshot_items(state: ShardedState, kinds: list[str], copy: bool) -> list[Item]:
     """What this rank writes: its pieces of every kind (and rank 0: the buffers).
 
     ``copy``: host copies that training may not touch (for a background write)."""
-    whole = engine.policy.shard_world == 1
+    whole = state.whole
     items: list[Item] = []
 
     def add(meta: dict[str, Any], data: torch.Tensor) -> None:
         items.append((meta, data.detach().to("cpu", copy=True) if copy else data.detach()))
 
-    if not whole or engine.dp_rank == 0:
-        for piece in held_pieces(engine.units, whole):
+    if not whole or state.rank == 0:
+        for piece in held_pieces(state.units, whole):
             for kind in ["master"] if piece.unit.frozen else ["master", *kinds]:
-                data = _state_tensor(engine, piece.unit.index, kind)
+                data = _state_tensor(state, piece.unit.index, kind)
                 meta = {"param": piece.slot.names[0], "kind": kind}
                 n = piece.end - piece.start
                 add(
                     meta | {"start": piece.start, "end": piece.end},
                     data[piece.local : piece.local + n],
                 )
-    if engine.dp_rank == 0:
-        for name, buffer in persistent_buffers(engine.module):
+    if state.rank == 0:
+        for name, buffer in persistent_buffers(state.module):
             add({"param": name, "kind": "buffer", "start": 0, "end": buffer.numel()}, buffer)
     return items
 
@@ -100,8 +98,8 @@ def write_items(path: Path, items: list[Item]) -> list[dict[str, Any]]:
     return segments
 
 
-def write_rank_file(path: Path, engine: Engine, kinds: list[str]) -> list[dict[str, Any]]:
-    return write_items(path, snapshot_items(engine, kinds, copy=False))
+def write_rank_file(path: Path, state: ShardedState, kinds: list[str]) -> list[dict[str, Any]]:
+    return write_items(path, snapshot_items(state, kinds, copy=False))
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -130,18 +128,19 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def _params(engine: Engine) -> list[dict[str, Any]]:
+def _params(state: ShardedState) -> list[dict[str, Any]]:
     return [
         {"name": s.names[0], "names": s.names, "shape": list(s.shape), "numel": s.numel}
-        for u in engine.units
+        for u in state.units
         for s in u.slots
     ]
 
 
-def check_savable(engine: Engine, keep: int) -> None:
-    if engine.micro_steps:
+def check_savable(state: ShardedState, keep: int) -> None:
+    if state.pending_micro_steps:
         raise CheckpointError(
-            f"save: {engine.micro_steps} micro-batch(es) accumulated since the last step; "
+            f"save: {state.pending_micro_steps} micro-batch(es) accumulated since the last "
+            "step; "
             "save after engine.step() completes an optimizer step"
         )
     if keep < 1:
@@ -149,30 +148,30 @@ def check_savable(engine: Engine, keep: int) -> None:
 
 
 def save_checkpoint(
-    engine: Engine, root: str | Path, client_state: dict[str, Any] | None = None, keep: int = 3
+    state: ShardedState, root: str | Path, client_state: dict[str, Any] | None = None, keep: int = 3
 ) -> Path:
-    """Write a checkpoint of ``engine`` under ``root`` (every rank calls this)."""
-    check_savable(engine, keep)
-    directory = Path(root) / step_dir_name(engine.global_steps)
-    group, rank = engine.group, engine.dp_rank
+    """Write a checkpoint of ``state`` under ``root`` (every rank calls this)."""
+    check_savable(state, keep)
+    directory = Path(root) / step_dir_name(state.counters.global_steps)
+    group, rank = state.group, state.rank
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step: un-commit first
         fsync_dir(directory)
     dist.barrier(group=group)
-    kinds, scalars = per_element_kinds(engine)
+    kinds, scalars = per_element_kinds(state)
     name = f"rank-{rank:05d}.bin"
-    segments = write_rank_file(directory / name, engine, kinds)
+    segments = write_rank_file(directory / name, state, kinds)
     report = {
         "file": name,
         "bytes": (directory / name).stat().st_size,
         "segments": segments,
         "rng": rng_state(),
     }
-    reports: list[Any] = [None] * engine.dp_world
+    reports: list[Any] = [None] * state.world
     dist.all_gather_object(reports, report, group=group)
     if rank == 0:
-        header = manifest_header(engine, kinds, scalars, client_state)
+        header = manifest_header(state, kinds, scalars, client_state)
         write_manifest(directory, assemble(header, reports))
         prune(Path(root), keep)
     dist.barrier(group=group)
@@ -188,8 +187,8 @@ def assemble(header: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str,
     }
 
 
-def manifest_header(engine: Engine, kinds, scalars, client_state) -> dict[str, Any]:
-    opt = engine.optimizer.optimizer
+def manifest_header(state: ShardedState, kinds, scalars, client_state) -> dict[str, Any]:
+    opt = state.optimizer
     groups = [
         {k: v for k, v in g.items() if k != "params" and isinstance(v, int | float | bool | tuple)}
         for g in opt.param_groups
@@ -198,15 +197,11 @@ def manifest_header(engine: Engine, kinds, scalars, client_state) -> dict[str, A
         "format": FORMAT,
         "version": VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "step": engine.global_steps,
-        "world_size": engine.dp_world,
-        "dp": engine.dp_world,
-        "mp": engine.mp_size,
-        "mp_rank": engine.mp_rank,
-        "stage": engine.config.stage,
-        "precision": engine.config.precision,
-        "psi": engine.psi,
-        "params": _params(engine),
+        "step": state.counters.global_steps,
+        "world_size": state.world,
+        "dp": state.world,
+        **state.description,
+        "params": _params(state),
         "buffers": [
             {
                 "name": n,
@@ -214,15 +209,11 @@ def manifest_header(engine: Engine, kinds, scalars, client_state) -> dict[str, A
                 "shape": list(b.shape),
                 "numel": b.numel(),
             }
-            for n, b in persistent_buffers(engine.module)
+            for n, b in persistent_buffers(state.module)
         ],
         "kinds": ["master", *kinds],
         "optimizer": {"class": type(opt).__name__, "scalars": scalars, "param_groups": groups},
-        "engine": {
-            "global_steps": engine.global_steps,
-            "applied_steps": engine.applied_steps,
-            "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
-        },
+        "engine": asdict(state.counters),
         "client_state": client_state or {},
     }
 
