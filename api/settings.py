@@ -66,8 +66,9 @@ class Settings:
     """Events kept per job (the newest; older ones are deleted)."""
     max_log_lines_per_job: int = 10_000
     """Log lines kept per job (the newest)."""
-    max_history_per_job: int = 1_000
-    """Chunks of the per-chunk history kept per job (the newest)."""
+    max_history_per_job: int = 2_000
+    """Points of the per-step history kept per job: every step up to this many, then
+    downsampled (windows of 2, 4, 8... steps merged), so between half of it and it."""
     token_ttl_days: int = 90
     """Lifetime of tokens created through the API when the request names none."""
     max_body_bytes: int = 2**20

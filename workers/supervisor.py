@@ -37,6 +37,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .cluster import actor_env
+from .history import step_points
 from .placement import Placement, bundle, place, replicas_available
 from .rank import RankWorker
 from .ring import Ring
@@ -90,7 +91,7 @@ class JobSupervisor:
         self._events: Ring[dict[str, Any]] = Ring(MAX_EVENTS)
         self._log: Ring[str] = Ring(MAX_LOG_LINES)
         self._history: Ring[dict[str, Any]] = Ring(MAX_HISTORY)
-        """Per chunk of steps: step, loss, tokens/s of all replicas, dp."""
+        """One point per step (workers/history.py, [Note: step history])."""
         self._losses: dict[int, float] = {}
         self._restarts = 0
         self._dp = 0
@@ -407,15 +408,10 @@ class JobSupervisor:
             accum = spec.zero_config().gradient_accumulation_steps
             tokens = (target - step) * spec.micro_batch * accum * spec.model.seq_len * self._dp
             loss = self._losses.get(target, float("nan"))
+            points = step_points(results, spec.resources.mp, self._dp)
             with self._lock:
-                self._history.append(
-                    {
-                        "step": target,
-                        "loss": loss,
-                        "tokens_per_second": tokens / seconds,
-                        "dp": self._dp,
-                    }
-                )
+                for point in points:
+                    self._history.append(point)
             self._line(
                 f"step {target}/{spec.steps} loss {loss:.4f} "
                 f"{tokens / seconds:,.0f} tokens/s dp {self._dp}"
