@@ -370,6 +370,7 @@ def add_steps(session: Session, job: Job, points: list[dict], stride: int, keep:
     a restart) keeps its first report. See workers/history.py, [Note: step history]."""
     if not points:
         return stride
+    keep = max(2, keep)  # one point per window: at least two windows
     last = _last_step(session, job)
     count = _count_steps(session, job)
     for point in sorted(points, key=lambda p: p["step"]):

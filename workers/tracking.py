@@ -83,6 +83,7 @@ class Tracker:
         self._tensorboard = spec.tracking.tensorboard
         self._mlflow = spec.tracking.mlflow
         self._opened = False
+        self._last_step = 0
 
     @property
     def enabled(self) -> bool:
@@ -90,9 +91,12 @@ class Tracker:
 
     # -- what the supervisor calls -----------------------------------------------------
     def steps(self, points: list[dict[str, Any]]) -> None:
-        """Log history points (workers/history.py), oldest first."""
+        """Log history points (workers/history.py), oldest first; a step redone after
+        a restart keeps its first values, as in the control plane's history."""
+        points = [p for p in points if p["step"] > self._last_step]
         if not points or not self._open():
             return
+        self._last_step = points[-1]["step"]
         if self._writer is not None:
             self._guard("tensorboard", self._tb_steps, points)
         if self.run_id is not None:

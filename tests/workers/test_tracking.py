@@ -34,6 +34,7 @@ def _track(tmp_path: Path, uri: str) -> tuple[Tracker, JobSpec, Path]:
     tracker.steps([point(s, 5.0 - s / 10) for s in range(1, 4)])
     tracker.checkpoint(3, str(root / "step-00000003"))
     tracker.steps([point(s, 5.0 - s / 10) for s in range(4, 7)])
+    tracker.steps([point(6, 99.0)])  # redone after a restart: the first value stays
     tracker.checkpoint(6, str(root / "step-00000006"))
     tracker.close("succeeded")
     assert errors == []
