@@ -276,8 +276,8 @@ def _memory(job: dict[str, Any], metrics: dict[str, Any], path: Path) -> Path:
         bars.text(
             0.0,
             -0.2,
-            f"comm. buffers: constant ({_size(largest)} the largest: bucket_elements × dtype),"
-            "\nwhatever the model's size: a large share only on a small model",
+            f"comm. buffers: a constant size (the largest {_size(largest)} = bucket_elements ×"
+            " dtype bytes),\nwhatever the model's size: a large share only of a small model",
             transform=bars.transAxes,
             fontsize=8,
             color="dimgrey",
