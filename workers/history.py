@@ -68,8 +68,8 @@ def step_points(results: list[dict[str, Any]], mp: int, dp: int) -> list[dict[st
     for step in sorted(by_step):
         reports = by_step[step]
         first = reports[0][1]
-        losses = [finite(r.get("loss")) for rank, r in reports if rank % mp == 0]
-        losses = [x for x in losses if x is not None]
+        reported = [finite(r.get("loss")) for rank, r in reports if rank % mp == 0]
+        losses = [x for x in reported if x is not None]
         seconds = max(float(r.get("seconds", 0.0)) for _, r in reports)
         tokens = float(first.get("tokens", 0)) * dp
         peaks = [int(r.get("peak_bytes") or 0) for _, r in reports]

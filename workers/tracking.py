@@ -160,7 +160,10 @@ class Tracker:
             try:
                 experiment_id = client.create_experiment(name)
             except Exception:  # created meanwhile by another job
-                experiment_id = client.get_experiment_by_name(name).experiment_id
+                found = client.get_experiment_by_name(name)
+                if found is None:
+                    raise
+                experiment_id = found.experiment_id
         else:
             experiment_id = experiment.experiment_id
         run = client.create_run(
