@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workers.spec import FactoryModelSpec, JobSpec
+from workers.spec import FactoryModelSpec, JobSpec, TrackingSpec
 
 from .settings import Settings
 
@@ -57,13 +57,35 @@ def checkpoint_path(base: str, job_id: str, sub: str | None) -> str:
     return str(Path(base) / (sub or job_id))
 
 
+def confine_tracking(tracking: TrackingSpec, tenant: str, settings: Settings) -> TrackingSpec:
+    """The job's tracking with the service's defaults filled in (the MLflow URI, the
+    tenant's name as experiment); a URI other than the service's must be one of the
+    servers the operator allows (a file store of a tenant's choosing never is)."""
+    if not tracking.mlflow:
+        return tracking
+    uri = tracking.mlflow_uri
+    allowed = (settings.mlflow_tracking_uri, *settings.mlflow_uris)
+    if uri is not None and uri not in allowed:
+        offered = ", ".join(settings.mlflow_uris) or "none besides the default"
+        raise Refused(
+            f"tracking.mlflow_uri: {uri[:64]!r} is not a server this service allows "
+            f"(ZEROSERVICE_MLFLOW_URIS: {offered})"
+        )
+    return tracking.model_copy(
+        update={
+            "mlflow_uri": uri or settings.mlflow_tracking_uri,
+            "experiment": tracking.experiment or tenant,
+        }
+    )
+
+
 def confine(spec: JobSpec, tenant: str, settings: Settings) -> JobSpec:
-    """The spec as the workers will run it (data path resolved), or Refused."""
+    """The spec as the workers will run it (data path resolved, tracking defaults
+    filled in), or Refused."""
     if isinstance(spec.model, FactoryModelSpec):
         check_factory(spec.model.factory, settings.model_factories)
-    if spec.data.path is None:
-        return spec
-    data = spec.data.model_copy(
-        update={"path": resolve_data_path(spec.data.path, tenant, settings)}
-    )
-    return spec.model_copy(update={"data": data})
+    update: dict = {"tracking": confine_tracking(spec.tracking, tenant, settings)}
+    if spec.data.path is not None:
+        path = resolve_data_path(spec.data.path, tenant, settings)
+        update["data"] = spec.data.model_copy(update={"path": path})
+    return spec.model_copy(update=update)

@@ -1,4 +1,5 @@
-"""The job store: tenants, API tokens (hashed), jobs, their events and log lines.
+"""The job store: tenants, API tokens (hashed), jobs, their events, log lines and
+per-step history.
 
 SQLAlchemy 2 on SQLite (a file under the data directory) or PostgreSQL (by URL). The
 schema is created and upgraded by the migrations in api/migrations (Alembic), applied
@@ -12,9 +13,12 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -145,6 +149,27 @@ class JobLog(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
     time: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     line: Mapped[str] = mapped_column(Text)
+
+
+class JobStep(Base):
+    """One point of a job's per-step history: the ``steps`` steps ending at ``step``
+    (1 at full resolution; more once the history is downsampled). See workers/history.py,
+    [Note: step history]."""
+
+    __tablename__ = "job_steps"
+    __table_args__ = (Index("ix_job_steps_job_step", "job_id", "step"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    step: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[int] = mapped_column(Integer, default=1)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_scale: Mapped[float | None] = mapped_column(Float, nullable=True)
+    lr: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tokens_per_second: Mapped[float | None] = mapped_column(Float, nullable=True)
+    memory_peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    dp: Mapped[int] = mapped_column(Integer, default=0)
 
 
 CONNECT_TIMEOUT_S = 5

@@ -71,13 +71,41 @@ class LogLine(BaseModel):
     line: str
 
 
+class HistoryPoint(BaseModel):
+    """The ``steps`` optimizer steps ending at ``step`` (1 at full resolution): means
+    of loss, gradient norm, step seconds and tokens/s, the last learning rate and loss
+    scale, the largest memory peak. None: not reported (or not finite)."""
+
+    step: int
+    steps: int
+    loss: float | None
+    grad_norm: float | None
+    loss_scale: float | None
+    lr: float | None
+    step_seconds: float | None
+    """The slowest rank's seconds per step."""
+    tokens_per_second: float | None
+    """Tokens of all replicas per second."""
+    memory_peak_bytes: int | None
+    """The largest memory peak of any rank (device allocator, or process RSS on CPU)."""
+    dp: int
+
+
 class MetricsOut(BaseModel):
     job_id: str
     step: int
     ranks: dict[str, Any]
-    """Per rank: memory by kind (ledger), loss, step seconds, TFLOPS, bus bandwidth."""
-    history: list[dict[str, Any]] = []
-    """Per chunk of steps: step, loss, tokens/s (all replicas), dp."""
+    """Per rank: memory by kind (ledger), loss, step seconds, TFLOPS, bus bandwidth,
+    collectives per step-phase (``phases``)."""
+    history: list[HistoryPoint] = []
+    """Per-step points after ``history_after``, oldest first (one page)."""
+    history_stride: int = 1
+    """Steps per point: 1 until the job holds the service's limit of points, then
+    2, 4, 8... (older points are merged, see docs/metrics.md)."""
+    history_total: int = 0
+    """Points the job holds."""
+    next_after: int | None = None
+    """``history_after`` for the next page; None on the last page."""
     live: bool
     """True when read from the running supervisor, False when the stored last snapshot."""
 

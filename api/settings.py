@@ -66,8 +66,15 @@ class Settings:
     """Events kept per job (the newest; older ones are deleted)."""
     max_log_lines_per_job: int = 10_000
     """Log lines kept per job (the newest)."""
-    max_history_per_job: int = 1_000
-    """Chunks of the per-chunk history kept per job (the newest)."""
+    max_history_per_job: int = 2_000
+    """Points of the per-step history kept per job: every step up to this many, then
+    downsampled (windows of 2, 4, 8... steps merged), so between half of it and it."""
+    mlflow_tracking_uri: str = ""
+    """Where jobs with ``tracking.mlflow`` log their runs unless they name a server;
+    default: a local file store, ``<data_dir>/mlruns``."""
+    mlflow_uris: tuple[str, ...] = ()
+    """MLflow servers (http/https URIs) a job may name as ``tracking.mlflow_uri``
+    besides the default; empty: none."""
     token_ttl_days: int = 90
     """Lifetime of tokens created through the API when the request names none."""
     max_body_bytes: int = 2**20
@@ -86,6 +93,8 @@ class Settings:
             self.database_url = f"sqlite:///{self.data_dir / 'zeroservice.db'}"
         if not self.checkpoint_root:
             self.checkpoint_root = str(self.data_dir / "checkpoints")
+        if not self.mlflow_tracking_uri:
+            self.mlflow_tracking_uri = (self.data_dir / "mlruns").absolute().as_uri()
         if not self.data_roots:
             self.data_roots = (str(self.data_dir / "data" / "{tenant}"),)
 
@@ -119,6 +128,10 @@ class Settings:
             kwargs["model_factories"] = _listed(env["ZEROSERVICE_MODEL_FACTORIES"], ",")
         if "ZEROSERVICE_DATA_ROOTS" in env:
             kwargs["data_roots"] = _listed(env["ZEROSERVICE_DATA_ROOTS"], os.pathsep)
+        if env.get("ZEROSERVICE_MLFLOW_TRACKING_URI"):
+            kwargs["mlflow_tracking_uri"] = env["ZEROSERVICE_MLFLOW_TRACKING_URI"]
+        if "ZEROSERVICE_MLFLOW_URIS" in env:
+            kwargs["mlflow_uris"] = _listed(env["ZEROSERVICE_MLFLOW_URIS"], ",")
         if "ZEROSERVICE_PLAN_TIMEOUT_S" in env:
             kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
         if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:

@@ -16,11 +16,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
+from workers.history import FIELDS, finite, merge, window
 from workers.state import TERMINAL, JobState
 
 from .auth import Principal, hash_token, new_token
 from .confine import checkpoint_path
-from .db import ApiToken, Job, JobEvent, JobLog, Tenant, utcnow
+from .db import ApiToken, Job, JobEvent, JobLog, JobStep, Tenant, utcnow
 from .schemas import JobOut
 
 
@@ -347,18 +348,113 @@ def add_metrics(
     session: Session,
     job: Job,
     ranks: dict[str, Any],
-    history: list[dict],
+    points: list[dict],
     history_seen: int,
     keep: int,
 ) -> None:
-    """The newest per-rank stats, and the history extended by its new chunks (the
-    newest ``keep`` of them); ``history_seen``: the supervisor's next position."""
+    """The newest per-rank stats, and the history extended by the supervisor's new
+    points (see ``add_steps``); ``history_seen``: the supervisor's next position."""
     stored = job.metrics or {}
+    stride = add_steps(session, job, points, int(stored.get("history_stride", 1)), keep)
     job.metrics = {
         "ranks": ranks or stored.get("ranks", {}),
-        "history": (stored.get("history", []) + history)[-keep:],
         "history_seen": history_seen,
+        "history_stride": stride,
     }
+
+
+def add_steps(session: Session, job: Job, points: list[dict], stride: int, keep: int) -> int:
+    """Add per-step points (oldest first) to the job's history at resolution
+    ``stride``, doubling it (and merging each window's points) whenever the job would
+    hold more than ``keep``; returns the stride. A step already recorded (redone after
+    a restart) keeps its first report. See workers/history.py, [Note: step history]."""
+    if not points:
+        return stride
+    keep = max(2, keep)  # one point per window: at least two windows
+    last = _last_step(session, job)
+    count = _count_steps(session, job)
+    for point in sorted(points, key=lambda p: p["step"]):
+        if last is not None and point["step"] <= last.step:
+            continue
+        if last is not None and window(last.step, stride) == window(point["step"], stride):
+            _assign(last, merge(_as_point(last), point))
+            continue
+        last = JobStep(job_id=job.id, **_columns(point))
+        session.add(last)
+        count += 1
+        while count > keep:
+            stride *= 2
+            count = _downsample(session, job, stride)
+            last = _last_step(session, job)
+    return stride
+
+
+def _downsample(session: Session, job: Job, stride: int) -> int:
+    """Merge the job's points window by window (``stride`` steps); returns how many
+    are left."""
+    session.flush()
+    rows = list(
+        session.execute(
+            select(JobStep).where(JobStep.job_id == job.id).order_by(JobStep.step)
+        ).scalars()
+    )
+    kept: list[JobStep] = []
+    for row in rows:
+        if kept and window(kept[-1].step, stride) == window(row.step, stride):
+            merged = merge(_as_point(kept[-1]), _as_point(row))
+            _assign(row, merged)
+            session.delete(kept[-1])
+            kept[-1] = row
+        else:
+            kept.append(row)
+    session.flush()
+    return len(kept)
+
+
+def _last_step(session: Session, job: Job) -> JobStep | None:
+    query = select(JobStep).where(JobStep.job_id == job.id).order_by(JobStep.step.desc())
+    return session.execute(query.limit(1)).scalar_one_or_none()
+
+
+def _count_steps(session: Session, job: Job) -> int:
+    query = select(func.count(JobStep.id)).where(JobStep.job_id == job.id)
+    return int(session.execute(query).scalar_one())
+
+
+_POINT = ("step", "steps", *FIELDS, "dp")
+
+
+def _columns(point: dict) -> dict[str, Any]:
+    out = {key: point.get(key) for key in _POINT}
+    out["steps"] = int(out["steps"] or 1)
+    out["dp"] = int(out["dp"] or 0)
+    for key in FIELDS:
+        out[key] = finite(out[key])
+    if out["memory_peak_bytes"] is not None:
+        out["memory_peak_bytes"] = int(out["memory_peak_bytes"])
+    return out
+
+
+def _as_point(row: JobStep) -> dict[str, Any]:
+    return {key: getattr(row, key) for key in _POINT}
+
+
+def _assign(row: JobStep, point: dict) -> None:
+    for key, value in _columns(point).items():
+        setattr(row, key, value)
+
+
+def history(session: Session, job: Job, after: int, limit: int) -> tuple[list[JobStep], int, bool]:
+    """The job's points after step ``after``, oldest first, at most ``limit``; the
+    number of points the job holds; whether more follow this page."""
+    query = (
+        select(JobStep)
+        .where(JobStep.job_id == job.id, JobStep.step > after)
+        .order_by(JobStep.step)
+        .limit(limit + 1)
+    )
+    rows = list(session.execute(query).scalars())
+    return rows[:limit], _count_steps(session, job), len(rows) > limit
 
 
 def _prune(session: Session, table, job: Job, keep: int) -> None:

@@ -27,6 +27,9 @@ from .flops import flops_per_token, peak_tflops
 from .metrics import RankMetrics
 from .spec import JobSpec
 
+START_UP_TAGS = ("init", "state")
+"""Collectives of start-up and checkpointing, not of a training step."""
+
 
 def _process_bytes(field: str) -> int:
     try:
@@ -137,6 +140,8 @@ class RankWorker:
         )
         metrics_port = self.metrics.serve(node_ip)
         self.metrics.update(restarts=restarts, workers=world, step=self.step, tokens=self.tokens)
+        self._comm_start = self._comm_totals()  # start-up traffic is no step-phase's
+        self._start_step = self.step
         self._phase = "ready"
         return {
             "rank": self.rank,
@@ -156,6 +161,7 @@ class RankWorker:
         accum = engine.config.gradient_accumulation_steps
         tokens_per_step = spec.micro_batch * accum * spec.model.seq_len
         losses: dict[int, float] = {}
+        steps: list[dict[str, Any]] = []
         volume_per_step, seconds = 0, 0.0
         while self.step < until:
             t0 = time.perf_counter()
@@ -184,18 +190,32 @@ class RankWorker:
             self.step += 1
             self.tokens += tokens_per_step
             losses[self.step] = total
-            self._publish(total, seconds, tokens_per_step, report.loss_scale)
+            peak = self._publish(total, seconds, tokens_per_step, report.loss_scale)
+            steps.append(
+                {
+                    "step": self.step,
+                    "loss": total,
+                    "grad_norm": report.grad_norm,
+                    "loss_scale": report.loss_scale,
+                    "lr": spec.optimizer.lr * report.lr_factor,
+                    "seconds": seconds,
+                    "tokens": tokens_per_step,
+                    "peak_bytes": peak,
+                }
+            )
         self._phase = "idle"
         return {
             "rank": self.rank,
             "losses": losses,
+            "steps": steps,
             "step": self.step,
             "ledger": engine.memory_ledger().as_dict(),
             "comm_volume_per_step": volume_per_step,
             "tokens_per_second": tokens_per_step / seconds if seconds else 0.0,
         }
 
-    def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> None:
+    def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> int:
+        """Update the rank's metrics after a step; returns its memory peak (bytes)."""
         assert self.engine is not None and self.metrics is not None
         ledger = self.engine.memory_ledger()
         tflops = tokens * self.flops_per_token / seconds / 1e12 if seconds > 0 else 0.0
@@ -236,7 +256,9 @@ class RankWorker:
             "seconds": seconds,
             "tflops": tflops,
             "busbw": busbw,
+            "phases": self._phases(),
         }
+        return int(peak)
 
     def _collectives(self) -> dict[tuple[str, str], dict[str, float]]:
         assert self.engine is not None
@@ -251,6 +273,37 @@ class RankWorker:
         for (op, _), agg in out.items():
             bw = agg["bytes"] / agg["seconds"] if agg["seconds"] > 0 else 0.0
             agg["busbw"] = bw * bus_factor(op, int(agg["n"]))
+        return out
+
+    def _comm_totals(self) -> dict[tuple[str, str, str], tuple[int, float, int, int]]:
+        """Per (group, op, tag): payload bytes, seconds, calls, world size so far."""
+        assert self.engine is not None
+        out = {}
+        sources = [("dp", self.engine.comm_ledger())] + [("mp", led) for led in self._mp_ledgers]
+        for group, ledger in sources:
+            for s in ledger.entries.values():
+                key = (group, s.op, s.tag)
+                b, sec, n, _ = out.get(key, (0, 0.0, 0, 0))
+                out[key] = (b + s.payload_bytes, sec + s.seconds, n + s.calls, s.world_size)
+        return out
+
+    def _phases(self) -> dict[str, dict[str, float]]:
+        """The collectives of the training steps since this group started, per
+        step-phase (``op/tag``; ``mp:`` for the model-parallel group): start-up
+        traffic (the initial broadcast, checkpoint gathers) is left out. Each with
+        its bytes, seconds, calls, steps and nccl-tests bus bandwidth."""
+        steps = self.step - self._start_step
+        out: dict[str, dict[str, float]] = {}
+        for (group, op, tag), (b, sec, n, world) in self._comm_totals().items():
+            if tag in START_UP_TAGS:
+                continue
+            b0, sec0, n0, _ = self._comm_start.get((group, op, tag), (0, 0.0, 0, 0))
+            b, sec, n = b - b0, sec - sec0, n - n0
+            if n <= 0:
+                continue
+            bw = b / sec * bus_factor(op, world) if sec > 0 else 0.0
+            name = f"{op}/{tag}" if group == "dp" else f"mp:{op}/{tag}"
+            out[name] = {"bytes": b, "seconds": sec, "calls": n, "steps": steps, "busbw": bw}
         return out
 
     # -- checkpoints ----------------------------------------------------------------------

@@ -244,6 +244,22 @@ class TimeoutsSpec(_Strict):
     """A rank that makes no progress for this long is declared stalled (watchdog)."""
 
 
+class TrackingSpec(_Strict):
+    """Experiment tracking, done where the job runs (workers/tracking.py)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files under the job's checkpoint directory
+    (``tensorboard/<job id>``)."""
+    mlflow: bool = False
+    """Log the job as an MLflow run: the spec as parameters, the history as metrics,
+    the checkpoints as artifacts by reference."""
+    mlflow_uri: str | None = Field(None, min_length=1, max_length=512)
+    """The MLflow tracking URI; default: the service's (a local file store unless the
+    operator set another). A tenant may name only a server the operator allows."""
+    experiment: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.\- /]+$")
+    """The MLflow experiment; default: the tenant's name."""
+
+
 class JobSpec(_Strict):
     """A training job, as submitted."""
 
@@ -268,6 +284,8 @@ class JobSpec(_Strict):
     """When to save and how many to keep."""
     timeouts: TimeoutsSpec = Field(default_factory=TimeoutsSpec)
     """Bootstrap and hang-watchdog limits."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """TensorBoard event files and an MLflow run (off by default)."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """Restarts (worker loss, stalls, failed starts) before the job fails."""
     seed: int = Field(0, ge=0, le=2**63 - 1)

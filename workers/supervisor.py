@@ -37,11 +37,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .cluster import actor_env
+from .history import step_points
 from .placement import Placement, bundle, place, replicas_available
 from .rank import RankWorker
 from .ring import Ring
 from .spec import JobSpec
 from .state import TERMINAL, JobState
+from .tracking import Tracker
 from .watchdog import diagnose
 
 MAX_EVENTS = 10_000
@@ -90,7 +92,8 @@ class JobSupervisor:
         self._events: Ring[dict[str, Any]] = Ring(MAX_EVENTS)
         self._log: Ring[str] = Ring(MAX_LOG_LINES)
         self._history: Ring[dict[str, Any]] = Ring(MAX_HISTORY)
-        """Per chunk of steps: step, loss, tokens/s of all replicas, dp."""
+        """One point per step (workers/history.py, [Note: step history])."""
+        self._tracker = Tracker(job_id, self.spec, checkpoint_root, self._tracking_failed)
         self._losses: dict[int, float] = {}
         self._restarts = 0
         self._dp = 0
@@ -241,6 +244,11 @@ class JobSupervisor:
         except Exception:
             self._teardown(clean=False)
             self._set(JobState.FAILED, "internal_error", traceback.format_exc(limit=8))
+        finally:
+            self._tracker.close(self._status)
+
+    def _tracking_failed(self, sink: str, message: str) -> None:
+        self._event("tracking", "failed", f"{sink} switched off: {message}", sink=sink)
 
     def _loop(self) -> None:
         spec, res = self.spec, self.spec.resources
@@ -407,15 +415,11 @@ class JobSupervisor:
             accum = spec.zero_config().gradient_accumulation_steps
             tokens = (target - step) * spec.micro_batch * accum * spec.model.seq_len * self._dp
             loss = self._losses.get(target, float("nan"))
+            points = step_points(results, spec.resources.mp, self._dp)
             with self._lock:
-                self._history.append(
-                    {
-                        "step": target,
-                        "loss": loss,
-                        "tokens_per_second": tokens / seconds,
-                        "dp": self._dp,
-                    }
-                )
+                for point in points:
+                    self._history.append(point)
+            self._tracker.steps(points)
             self._line(
                 f"step {target}/{spec.steps} loss {loss:.4f} "
                 f"{tokens / seconds:,.0f} tokens/s dp {self._dp}"
@@ -429,6 +433,7 @@ class JobSupervisor:
             with self._lock:
                 self._step = step
             self._event("checkpoint", "saved", f"step {step}: {paths[0]}", path=paths[0])
+            self._tracker.checkpoint(step, paths[0])
             if step < spec.steps and self._dp < spec.resources.highest_dp:
                 more = min(spec.resources.highest_dp - self._dp, replicas_available(spec.resources))
                 if more > 0:

@@ -75,8 +75,10 @@ class Client:
     def logs(self, job_id: str, after: int = 0) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"after": after})
 
-    def metrics(self, job_id: str) -> dict:
-        return self._call("GET", f"/v1/jobs/{job_id}/metrics")
+    def metrics(self, job_id: str, after: int = -1, limit: int = 1000) -> dict:
+        """Per-rank stats and one page of the per-step history (after step ``after``)."""
+        params = {"history_after": after, "history_limit": limit}
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)
 
     def plan(self, spec: dict, device_memory_gib: float | None = None) -> dict:
         body: dict[str, Any] = {"spec": spec}

@@ -3,8 +3,9 @@
 Starts the local stack (Ray head on loopback, the API, SQLite) in a fresh data
 directory, submits a ZeRO stage-3 GPT job on 2 CPU workers over REST, follows it to
 the end, prints what each rank held beside the paper's formula, the communication
-volume per step, the throughput and where Prometheus scrapes, then stops everything it
-started. Exit status 0 when the job succeeded.
+volume per step, the throughput and where Prometheus scrapes, writes the report's
+per-step charts and says where the curves are (the report, REST, TensorBoard,
+MLflow), then stops everything it started. Exit status 0 when the job succeeded.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from pathlib import Path
 import httpx
 
 from api.settings import Settings
+from workers.tracking import tensorboard_dir
 
 from .client import Client
+from .report import history_pages, render
 from .server import down, up
 from .service_cli import watch
 
@@ -48,6 +51,7 @@ def demo_spec(steps: int, stage: int, precision: str) -> dict:
         "resources": {"dp": 2, "cpus_per_rank": 1},
         "checkpoint": {"interval_steps": max(1, steps // 2), "keep": 2},
         "timeouts": {"bootstrap_s": 180, "step_s": 300},
+        "tracking": {"tensorboard": True, "mlflow": True},
     }
 
 
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
+    parser.add_argument("--report", help="where to write the charts (default: <data dir>/report)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         print("demo: --steps must be >= 1", file=sys.stderr)
@@ -114,12 +119,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"submitted job {job['id']}: stage {args.stage} GPT on 2 CPU workers", flush=True)
         endpoints = _endpoints_while_running(client, job["id"])
         status = watch(client, job["id"])
-        print(report(client, client.job(job["id"]), endpoints))
+        done = client.job(job["id"])
+        print(report(client, done, endpoints))
+        print(charts(client, done, Path(args.report or home / "report"), settings))
         return status
     finally:
         if not args.keep:
             down(settings)
             print("\nstopped the local stack")
+
+
+def charts(client: Client, job: dict, out: Path, settings: Settings) -> str:
+    """Write the job's report (per-step charts and index.html) and say where the
+    curves are, in the service and in the tracking tools."""
+    files = render(job, history_pages(client, job["id"]), out)
+    tensorboard = tensorboard_dir(job["checkpoint_path"], job["id"])
+    return "\n".join(
+        [
+            "\nper-step curves:",
+            f"  report: {out / 'index.html'} ({', '.join(f.name for f in files[:-1])})",
+            f"  REST: GET /v1/jobs/{job['id']}/metrics (pages of the per-step history)",
+            f"  TensorBoard: tensorboard --logdir {tensorboard}",
+            f"  MLflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri "
+            f"{settings.mlflow_tracking_uri} (experiment 'admin')",
+        ]
+    )
 
 
 def _endpoints_while_running(client: Client, job_id: str, timeout: float = 300) -> list[str]:

@@ -1,10 +1,11 @@
-"""``zeroservice up | down | submit | list | status | events | logs | cancel``: the
-service from the command line (the REST API through api/client.py)."""
+"""``zeroservice up | down | submit | list | status | events | logs | cancel | report |
+compare``: the service from the command line (the REST API through api/client.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -82,46 +83,91 @@ def _bar(done: int, total: int, width: int = 24) -> str:
     return "#" * filled + "." * (width - filled)
 
 
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class _Progress:
+    """What ``watch`` knows of a job's progress; only figures it has are shown (no
+    ``nan`` loss, no ``?`` ETA before the first step)."""
+
+    def __init__(self) -> None:
+        self.loss: float | None = None
+        self.rate: float | None = None
+        self.t0: float | None = None
+        self.step0 = 0
+
+    def read(self, line: str) -> None:
+        match = PROGRESS.search(line)
+        if match:
+            loss = float(match.group(3))
+            self.loss = loss if math.isfinite(loss) else self.loss
+            self.rate = float(match.group(4).replace(",", "")) or self.rate
+
+    def line(self, job: dict[str, Any], now: float) -> str:
+        step, steps = job["step"], job["steps"]
+        if self.t0 is None and step > 0:
+            self.t0, self.step0 = now, step
+        text = f"{job['status']:>9} step {step}/{steps} [{_bar(step, steps)}]"
+        if self.loss is not None:
+            text += f" loss {self.loss:.4f}"
+        if self.rate:
+            text += f" {self.rate:,.0f} tokens/s"
+        if self.t0 is not None and self.step0 < step < steps and job["status"] not in TERMINAL:
+            per_step = (now - self.t0) / (step - self.step0)
+            text += " ETA " + time.strftime("%H:%M:%S", time.gmtime(per_step * (steps - step)))
+        return text
+
+
 def watch(client: Client, job_id: str, out=sys.stdout, poll_s: float = 1.0) -> int:
-    """Follow a job to its end: a progress line (step, loss, tokens/s, ETA), events."""
+    """Follow a job to its end: its events as they come, and a progress line (step,
+    loss, tokens/s, ETA) rewritten in place on a terminal; in a log, one progress
+    line per step reached, never the same line twice."""
     seen_events, seen_logs = 0, 0
     tty = hasattr(out, "isatty") and out.isatty()
-    shown: tuple[str, int] | None = None
     clear = f"\r{' ' * 100}\r" if tty else ""
-    loss, rate = float("nan"), 0.0
-    t0, step0 = time.monotonic(), None
+    progress = _Progress()
+    shown_step, shown = 0, ""
     while True:
         job = client.job(job_id)
         for event in client.events(job_id, seen_events):
             seen_events = event["id"]
             out.write(f"{clear}  [{event['kind']}] {event['message']}\n")
+            shown = ""  # the event overwrote the progress line on a terminal
         for line in client.logs(job_id, seen_logs):
             seen_logs = line["id"]
-            match = PROGRESS.search(line["line"])
-            if match:
-                loss = float(match.group(3))
-                rate = float(match.group(4).replace(",", ""))
-        step, steps = job["step"], job["steps"]
-        if step0 is None and step > 0:
-            step0, t0 = step, time.monotonic()
-        eta = "?"
-        if step0 is not None and step > step0:
-            per_step = (time.monotonic() - t0) / (step - step0)
-            eta = time.strftime("%H:%M:%S", time.gmtime(per_step * (steps - step)))
-        line = (
-            f"{job['status']:>9} step {step}/{steps} [{_bar(step, steps)}] "
-            f"loss {loss:.4f} {rate:,.0f} tokens/s ETA {eta}"
-        )
-        if tty:
-            out.write(f"\r{line}  ")
-        elif (job["status"], step) != shown:  # a log: one line per change
-            out.write(line + "\n")
-            shown = (job["status"], step)
+            progress.read(line["line"])
+        text = progress.line(job, time.monotonic())
+        if tty and text != shown:
+            out.write(f"\r{text}  ")
+            shown = text
+        elif not tty and job["step"] > shown_step:
+            out.write(text + "\n")
+            shown_step = job["step"]
         out.flush()
-        if job["status"] in ("succeeded", "failed", "cancelled"):
+        if job["status"] in TERMINAL:
             end = "\n" if tty else ""
             out.write(f"{end}{job['status']}: {job['reason']}: {job['message']}\n")
             return 0 if job["status"] == "succeeded" else 1
+        time.sleep(poll_s)
+
+
+def follow_logs(client: Client, job_id: str, follow: bool, out=sys.stdout, poll_s=1.0) -> int:
+    """Print a job's log lines; with ``follow``, keep printing new ones until the job
+    has ended (its status is read before its lines, so none written before the end is
+    missed)."""
+    after = 0
+    while True:
+        job = client.job(job_id) if follow else None
+        while True:
+            lines = client.logs(job_id, after)
+            for x in lines:
+                out.write(x["line"] + "\n")
+                after = x["id"]
+            if not lines:
+                break
+        out.flush()
+        if job is None or job["status"] in TERMINAL:
+            return 0
         time.sleep(poll_s)
 
 
@@ -164,12 +210,11 @@ def _events(args: argparse.Namespace) -> int:
 
 def _logs(args: argparse.Namespace) -> int:
     try:
-        lines = _client().logs(args.id)
+        return follow_logs(_client(), args.id, args.follow)
     except ApiError as exc:
         return _fail(exc)
-    for x in lines:
-        print(x["line"])
-    return 0
+    except KeyboardInterrupt:
+        return 130
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -182,17 +227,33 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import render
+    from .report import history_pages, render
 
     try:
         client = _client()
         job = client.job(args.id)
-        metrics = client.metrics(args.id)
+        metrics = history_pages(client, args.id)
         files = render(job, metrics, args.out or f"report-{args.id[:8]}")
     except (ApiError, ValueError) as exc:
         return _fail(exc)
     for path in files:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .report import compare, history_pages
+
+    try:
+        client = _client()
+        runs = [(client.job(i), history_pages(client, i)) for i in args.ids]
+    except ApiError as exc:
+        return _fail(exc)
+    empty = [job["id"] for job, metrics in runs if not metrics["history"]]
+    if empty:
+        return _fail(ValueError(f"no per-step history yet for {', '.join(empty)}"))
+    path = compare(runs, args.out or f"compare-{args.ids[0][:8]}-{args.ids[1][:8]}.png")
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     return 0
 
 
@@ -214,10 +275,16 @@ def add_service_parsers(sub) -> None:
     p.add_argument("--status")
     p.add_argument("--limit", type=int, default=50)
     p.set_defaults(func=_list)
-    p = sub.add_parser("report", help="PNG plots of a job: memory, loss, throughput, bandwidth")
+    p = sub.add_parser(
+        "report", help="charts of a job (loss, throughput, schedule, memory, bandwidth) + HTML"
+    )
     p.add_argument("id")
     p.add_argument("--out", help="directory (default: report-<id prefix>)")
     p.set_defaults(func=_report)
+    p = sub.add_parser("compare", help="two jobs' loss and throughput per step on one chart")
+    p.add_argument("ids", nargs=2, metavar="ID")
+    p.add_argument("--out", help="PNG file (default: compare-<id>-<id>.png)")
+    p.set_defaults(func=_compare)
     for name, func, text in (
         ("status", _status, "a job's status"),
         ("events", _events, "a job's events"),
@@ -228,4 +295,6 @@ def add_service_parsers(sub) -> None:
         p.add_argument("id")
         if name == "status":
             p.add_argument("--spec", action="store_true", help="include the job spec")
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true", help="until the job ends")
         p.set_defaults(func=func)

@@ -16,11 +16,22 @@ from ..confine import checkpoint_base
 from ..db import Job
 from ..deps import CurrentPrincipal, JobId, ServiceDep, SessionDep, job_or_404
 from ..errors import Rejected
-from ..schemas import STATUSES, EventOut, JobList, JobOut, JobSubmit, LogLine, MetricsOut
+from ..schemas import (
+    STATUSES,
+    EventOut,
+    HistoryPoint,
+    JobList,
+    JobOut,
+    JobSubmit,
+    LogLine,
+    MetricsOut,
+)
 from ..service import MAX_ID
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Cursor = Annotated[int, Query(ge=0, le=MAX_ID)]
+MAX_HISTORY_PAGE = 1000
+"""Most history points one metrics request returns."""
 
 
 def _out(db: Session, job: Job, with_spec: bool = False) -> JobOut:
@@ -131,19 +142,28 @@ def job_metrics(
     db: SessionDep,
     who: CurrentPrincipal,
     history_after: Annotated[int, Query(ge=-1, le=MAX_ID)] = -1,
-    history_limit: Annotated[int, Query(ge=0, le=1000)] = 1000,
+    history_limit: Annotated[int, Query(ge=0, le=MAX_HISTORY_PAGE)] = MAX_HISTORY_PAGE,
 ) -> MetricsOut:
-    """The per-rank stats (live while the job runs) and the chunks of its history
-    after step ``history_after``, oldest first, at most ``history_limit``."""
+    """The per-rank stats (live while the job runs) and one page of the per-step
+    history: the points after step ``history_after``, oldest first, at most
+    ``history_limit``; ``next_after`` continues."""
     job = job_or_404(db, who, job_id)
     live = False
     stored = job.metrics or {}
     ranks = stored.get("ranks", {})
-    later = [h for h in stored.get("history", []) if h.get("step", 0) > history_after]
+    rows, total, more = store.history(db, job, history_after, history_limit)
     if job.status in ACTIVE:
         snap = service.live_snapshot(job.id)
         if snap is not None and snap.get("metrics"):
             ranks, live = snap["metrics"], True
+    points = [HistoryPoint.model_validate(row, from_attributes=True) for row in rows]
     return MetricsOut(
-        job_id=job.id, step=job.step, ranks=ranks, history=later[:history_limit], live=live
+        job_id=job.id,
+        step=job.step,
+        ranks=ranks,
+        history=points,
+        history_stride=int(stored.get("history_stride", 1)),
+        history_total=total,
+        next_after=points[-1].step if more and points else None,
+        live=live,
     )

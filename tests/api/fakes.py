@@ -11,6 +11,22 @@ from workers.placement import bundle
 from workers.spec import JobSpec
 
 
+def point(step: int, loss: float) -> dict[str, Any]:
+    """A history point as the supervisor makes it (workers.history.step_points)."""
+    return {
+        "step": step,
+        "steps": 1,
+        "loss": loss,
+        "grad_norm": 1.0 / step,
+        "loss_scale": 1.0,
+        "lr": 1e-3 * min(1.0, step / 10),
+        "step_seconds": 0.5,
+        "tokens_per_second": 100.0 + step,
+        "memory_peak_bytes": 2**20 * step,
+        "dp": 1,
+    }
+
+
 class FakeBackend:
     def __init__(self, cpus: float = 8.0):
         self.total = {"CPU": cpus, "GPU": 0.0}
@@ -85,10 +101,15 @@ class FakeBackend:
                 self.used -= job["cpus"]
 
     def chunk(self, job_id: str, step: int, loss: float) -> None:
-        """A chunk of steps done, as the supervisor appends it to the job's history."""
+        """One step done, as the supervisor appends its point to the job's history."""
+        self.steps(job_id, [(step, loss)])
+
+    def steps(self, job_id: str, losses: list[tuple[int, float]]) -> None:
+        """Steps done (step, loss), as the supervisor appends their points (workers/
+        history.py) to the job's history; the other values follow from the step."""
         with self.lock:
-            entry = {"step": step, "loss": loss, "tokens_per_second": 100.0, "dp": 1}
-            self.jobs[job_id]["history"].append(entry)
+            for step, loss in losses:
+                self.jobs[job_id]["history"].append(point(step, loss))
 
     def poll(
         self, job_id: str, events_since: int, logs_since: int, history_since: int = 0

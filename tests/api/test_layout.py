@@ -54,3 +54,40 @@ def test_one_job_state_for_both_sides():
     assert (
         "Literal[" not in (ROOT / "api" / "schemas.py").read_text().split("class JobOut")[1][:400]
     )
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Every module each file of ``package`` imports (absolute names; relative ones
+    resolved within the package)."""
+    out: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = path.relative_to(ROOT).with_suffix("").parts[: -node.level]
+                    base = ".".join([*parts, base] if base else parts)
+                names |= {base} | {f"{base}.{a.name}" for a in node.names}
+        out[str(path.relative_to(ROOT))] = names
+    return out
+
+
+def _offending(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(
+        f"{path}: {name}"
+        for path, names in _imports(package).items()
+        for name in names
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    )
+
+
+def test_the_engine_and_the_control_plane_keep_to_their_dependencies():
+    # The engine: torch only (no cluster, service, store, metrics or tracking library).
+    tracking = ("mlflow", "tensorboard", "torch.utils.tensorboard", "workers.tracking")
+    service = ("ray", "fastapi", "sqlalchemy", "prometheus_client", "alembic")
+    assert _offending("zeroservice", service + tracking) == []
+    # Tracking is done where a job runs: the control plane never imports its libraries.
+    assert _offending("api", tracking) == []

@@ -1,5 +1,6 @@
-"""Retention: a job keeps its newest events, log lines and history chunks up to the
-service's limits, pages through them, and the supervisor's history is fetched once."""
+"""Retention: a job keeps its newest events and log lines up to the service's limits,
+its per-step history downsampled within its limit, pages through them, and the
+supervisor's history is fetched once."""
 
 from __future__ import annotations
 
@@ -32,12 +33,16 @@ def test_events_logs_and_history_are_kept_up_to_the_limits(database_url, tmp_pat
         assert len(logs) == 4
         page = h.client.get(f"/v1/jobs/{job}/logs?after={logs[1]['id']}", headers=auth).json()
         assert [x["id"] for x in page] == [logs[2]["id"], logs[3]["id"]]
+        # 10 steps within 3 points: windows of 4 steps (1-4, 5-8, 9-10).
         metrics = h.client.get(f"/v1/jobs/{job}/metrics", headers=auth).json()
-        assert [c["step"] for c in metrics["history"]] == [8, 9, 10]
+        assert [c["step"] for c in metrics["history"]] == [4, 8, 10]
+        assert [c["steps"] for c in metrics["history"]] == [4, 4, 2]
+        assert metrics["history_stride"] == 4 and metrics["next_after"] is None
         later = h.client.get(
-            f"/v1/jobs/{job}/metrics?history_after=8&history_limit=1", headers=auth
+            f"/v1/jobs/{job}/metrics?history_after=4&history_limit=1", headers=auth
         ).json()
-        assert [c["step"] for c in later["history"]] == [9]
+        assert [c["step"] for c in later["history"]] == [8]
+        assert later["next_after"] == 8 and later["history_total"] == 3
     finally:
         h.client.close()
         h.service.engine.dispose()

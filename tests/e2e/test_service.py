@@ -54,6 +54,15 @@ def test_submit_watch_restart_cancel(stack):
     events = cli("events", job_id).stdout
     assert "checkpoint" in events and "completed" in events and "admitted" in events
     assert "tokens/s" in cli("logs", job_id).stdout
+    lines = watched.stdout.splitlines()
+    assert "nan" not in watched.stdout and " ETA ?" not in watched.stdout
+    assert all(a != b for a, b in zip(lines, lines[1:], strict=False)), watched.stdout
+    follow = cli("logs", "--follow", job_id, timeout=60)  # the job has ended: it returns
+    assert follow.returncode == 0 and "step 12/12" in follow.stdout
+    report = cli("report", job_id, "--out", str(tmp / "report"))
+    assert report.returncode == 0, report.stdout + report.stderr
+    page = (tmp / "report" / "index.html").read_text()
+    assert all(f'src="{n}.png"' in page for n in ("loss", "throughput", "memory", "bandwidth"))
 
     # The API restarts under a running job: the job goes on and is reattached.
     spec.write_text(json.dumps({**JOB, "steps": 120, "checkpoint": {"interval_steps": 20}}))
@@ -74,6 +83,9 @@ def test_submit_watch_restart_cancel(stack):
     done = _wait(cli, long_id, {"succeeded", "failed"}, timeout=150)
     assert done["status"] == "succeeded", done
     assert done["step"] == 120
+    both = cli("compare", job_id, long_id, "--out", str(tmp / "compare.png"))
+    assert both.returncode == 0, both.stdout + both.stderr
+    assert (tmp / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Cancel a running job: its rank actors are gone.
     spec.write_text(json.dumps({**JOB, "steps": 100_000, "checkpoint": {"interval_steps": 50}}))

@@ -42,6 +42,45 @@ def test_dp2_cpu_job_completes(local_ray, tmp_path):
     ray.kill(handle)
 
 
+def test_per_step_history_phases_and_tracking_of_a_job(local_ray, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from workers.tracking import allow_file_store, tensorboard_dir
+
+    ray = local_ray
+    root = tmp_path / "ckpt"
+    uri = (tmp_path / "mlruns").as_uri()
+    spec = tiny_job(tracking={"tensorboard": True, "mlflow": True, "mlflow_uri": uri})
+    handle, status = _run(ray, "tracked", spec, root)
+    assert status == "succeeded", ray.get(handle.status.remote())
+    history = ray.get(handle.history.remote())
+    assert [p["step"] for p in history] == list(range(1, 9))
+    for p in history:
+        assert p["steps"] == 1 and p["dp"] == 2 and p["loss_scale"] == 1.0
+        assert p["lr"] == 3e-3 and p["grad_norm"] > 0 and p["memory_peak_bytes"] > 0
+        # micro-batch 2 × 16 tokens × 2 replicas per step
+        assert p["tokens_per_second"] == pytest.approx(2 * 16 * 2 / p["step_seconds"])
+    # Collectives per step-phase: the training steps' only, no start-up broadcast.
+    phases = ray.get(handle.metrics.remote())["0"]["phases"]
+    assert {"reduce_scatter/grads", "all_gather/params", "all_reduce/norm"} <= set(phases)
+    assert not [name for name in phases if name.endswith(("/init", "/state"))]
+    assert phases["all_reduce/norm"]["calls"] == 8 and phases["all_reduce/norm"]["steps"] == 8
+
+    events = EventAccumulator(str(tensorboard_dir(str(root), "tracked")))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 9))
+    allow_file_store()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("zeroservice").experiment_id])
+    assert run.info.status == "FINISHED"
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted((m.step, m.value) for m in losses) == [(p["step"], p["loss"]) for p in history]
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
+    assert artifacts == ["checkpoints/step-00000004.json", "checkpoints/step-00000008.json"]
+    ray.kill(handle)
+
+
 def test_dp2_mp2_job_on_fractional_cpus_completes(local_ray, tmp_path):
     ray = local_ray
     spec = tiny_job(

@@ -127,6 +127,7 @@ def test_every_spec_field_and_metric_family_is_documented():
         OptimizerSpec,
         ResourcesSpec,
         TimeoutsSpec,
+        TrackingSpec,
         TransformersModelSpec,
     )
 
@@ -140,6 +141,7 @@ def test_every_spec_field_and_metric_family_is_documented():
         "resources.": ResourcesSpec,
         "checkpoint.": CheckpointSpec,
         "timeouts.": TimeoutsSpec,
+        "tracking.": TrackingSpec,
     }
     missing = [
         f"{prefix}{name}"

@@ -1,0 +1,191 @@
+"""The service commands' output, on a scripted client: ``submit --watch`` shows no
+placeholder before the first step and never the same line twice, ``logs --follow``
+prints every line once until the job ends, ``report`` writes its charts and page,
+``compare`` draws two jobs on one chart."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from tests.api.fakes import point
+from zscli import service_cli
+from zscli.cli import main
+from zscli.report import compare, history_pages, render
+
+
+class ScriptedClient:
+    """A job that moves one state per ``job()`` call: (status, step, new log lines,
+    new events)."""
+
+    def __init__(self, script: list[tuple[str, int, list[str], list[str]]]):
+        self.script, self.i = script, -1
+        self.log: list[dict[str, Any]] = []
+        self.ev: list[dict[str, Any]] = []
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        self.i = min(self.i + 1, len(self.script) - 1)
+        status, step, lines, events = self.script[self.i]
+        if self.i == len(self.script) - 1 and getattr(self, "_done", False):
+            lines, events = [], []
+        self._done = self.i == len(self.script) - 1
+        for line in lines:
+            self.log.append({"id": len(self.log) + 1, "line": line})
+        for message in events:
+            self.ev.append({"id": len(self.ev) + 1, "kind": "status", "message": message})
+        return {
+            "id": job_id,
+            "name": "demo",
+            "status": status,
+            "reason": "completed" if status == "succeeded" else status,
+            "message": f"{step} steps",
+            "step": step,
+            "steps": 6,
+        }
+
+    def events(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.ev if e["id"] > after]
+
+    def logs(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+        return [x for x in self.log if x["id"] > after][:2]  # pages of two
+
+
+SCRIPT = [
+    ("queued", 0, [], ["queued"]),
+    ("starting", 0, [], ["starting: placing ranks"]),
+    ("running", 0, [], ["running: dp 2 × mp 1"]),
+    ("running", 0, [], []),
+    ("running", 3, ["step 3/6 loss 5.1234 1,200 tokens/s dp 2"], []),
+    ("running", 3, [], []),
+    ("running", 6, ["step 6/6 loss 4.5678 1,300 tokens/s dp 2"], []),
+    ("succeeded", 6, ["done"], ["succeeded: 6 steps"]),
+]
+
+
+def test_watch_shows_no_placeholders_and_no_repeated_lines(monkeypatch):
+    monkeypatch.setattr(service_cli.time, "sleep", lambda s: None)
+    out = io.StringIO()
+    assert service_cli.watch(ScriptedClient(SCRIPT), "j1", out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "  [status] queued",
+        "  [status] starting: placing ranks",
+        "  [status] running: dp 2 × mp 1",
+        "  running step 3/6 [############............] loss 5.1234 1,200 tokens/s",
+        "  running step 6/6 [########################] loss 4.5678 1,300 tokens/s",
+        "  [status] succeeded: 6 steps",
+        "succeeded: completed: 6 steps",
+    ]
+
+
+def test_watch_on_a_terminal_rewrites_one_line(monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(service_cli.time, "sleep", lambda s: None)
+    out = Tty()
+    service_cli.watch(ScriptedClient(SCRIPT), "j1", out=out)
+    text = out.getvalue()
+    assert "nan" not in text and "?" not in text
+    frames = [f.strip() for f in text.split("\r") if f.strip()]
+    assert all(a != b for a, b in zip(frames, frames[1:], strict=False))
+    assert "succeeded: completed: 6 steps" in text
+
+
+def test_logs_follow_prints_every_line_once_until_the_end(monkeypatch):
+    monkeypatch.setattr(service_cli.time, "sleep", lambda s: None)
+    client = ScriptedClient(SCRIPT)
+    out = io.StringIO()
+    assert service_cli.follow_logs(client, "j1", follow=True, out=out) == 0
+    assert out.getvalue().splitlines() == [
+        "step 3/6 loss 5.1234 1,200 tokens/s dp 2",
+        "step 6/6 loss 4.5678 1,300 tokens/s dp 2",
+        "done",
+    ]
+
+
+class MetricsClient:
+    def __init__(self, jobs: dict[str, int]):
+        self.jobs = jobs
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        steps = self.jobs[job_id]
+        spec = {"engine": {"stage": 2}, "model": {"n_layer": 2, "dim": 32, "seq_len": 16}}
+        return {
+            "id": job_id,
+            "name": f"run-{job_id}",
+            "status": "succeeded",
+            "reason": "completed",
+            "message": "",
+            "step": steps,
+            "steps": steps,
+            "current_dp": 2,
+            "attempts": 0,
+            "spec": spec,
+        }
+
+    def metrics(self, job_id: str, after: int = -1, limit: int = 1000) -> dict[str, Any]:
+        points = [point(s, 6.0 - s / 20) for s in range(1, self.jobs[job_id] + 1)]
+        page = [p for p in points if p["step"] > after][:limit]
+        more = page and page[-1]["step"] < points[-1]["step"]
+        return {
+            "job_id": job_id,
+            "ranks": {
+                str(r): {
+                    "ledger": {
+                        "stage": 2,
+                        "precision": "fp32",
+                        "n_d": 2,
+                        "psi_padded": 1000,
+                        "params": 4000,
+                        "grads": 2000,
+                        "master": 0,
+                        "optimizer_states": 4000,
+                        "comm_buffers": 8000,
+                        "comm_buffer_largest": 4000,
+                        "expected_padded": 10000,
+                    },
+                    "phases": {
+                        "reduce_scatter/grads": {"bytes": 8e6, "steps": 8, "busbw": 2e9},
+                        "all_gather/params": {"bytes": 8e6, "steps": 8, "busbw": 3e9},
+                    },
+                }
+                for r in range(2)
+            },
+            "history": page,
+            "history_stride": 1,
+            "next_after": page[-1]["step"] if more else None,
+        }
+
+
+def test_report_pages_through_the_history_and_writes_charts_and_a_page(tmp_path):
+    client = MetricsClient({"a": 25})
+    metrics = history_pages(client, "a", page=10)
+    assert [p["step"] for p in metrics["history"]] == list(range(1, 26))
+    files = render(client.job("a"), metrics, tmp_path)
+    names = [f.name for f in files]
+    assert names == [
+        "loss.png",
+        "throughput.png",
+        "schedule.png",
+        "memory.png",
+        "bandwidth.png",
+        "index.html",
+    ]
+    for f in files[:-1]:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tmp_path / "index.html").read_text()
+    assert all(f'src="{n}"' in page for n in names[:-1])
+    assert "run-a (a)" in page and "5.9500 at the start, 4.7500 at the end" in page
+
+
+def test_compare_draws_two_jobs_on_one_chart(tmp_path, monkeypatch, capsys):
+    client = MetricsClient({"a": 12, "b": 20})
+    monkeypatch.setattr(service_cli, "_client", lambda: client)
+    out = tmp_path / "both.png"
+    assert main(["compare", "a", "b", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out}" in capsys.readouterr().out
+    drawn = compare([(client.job("a"), history_pages(client, "a"))], tmp_path / "one.png")
+    assert drawn.stat().st_size > 10_000
