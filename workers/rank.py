@@ -7,6 +7,7 @@ A plain class; the supervisor wraps it with ``ray.remote`` as a threaded actor, 
 from __future__ import annotations
 
 import datetime
+import enum
 import os
 import socket
 import threading
@@ -38,6 +39,18 @@ def _process_bytes(field: str) -> int:
         return 0
 
 
+class RankPhase(enum.Enum):
+    """What a rank actor is doing; inside a step the engine's own ``TrainingState`` says
+    where it is (``progress``)."""
+
+    CREATED = "created"
+    BOOTSTRAP = "bootstrap"
+    READY = "ready"
+    TRAINING = "training"
+    CHECKPOINT = "checkpoint"
+    IDLE = "idle"
+
+
 class RankWorker:
     """See the module docstring."""
 
@@ -49,7 +62,8 @@ class RankWorker:
         self.step = 0
         self.tokens = 0
         self._lock = threading.Lock()
-        self._phase = "created"
+        self._phase = RankPhase.CREATED
+        self._micro_batch = 0
         self._mp_ledgers: list[CommLedger] = []
         self.metrics_collectives: dict[tuple[str, str], dict[str, float]] = {}
         self._last: dict[str, Any] = {}
@@ -87,7 +101,7 @@ class RankWorker:
         import ray
 
         spec = self.spec
-        self._phase = "bootstrap"
+        self._phase = RankPhase.BOOTSTRAP
         use_cuda = spec.resources.gpus_per_rank > 0 and torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
@@ -142,7 +156,7 @@ class RankWorker:
         self.metrics.update(restarts=restarts, workers=world, step=self.step, tokens=self.tokens)
         self._comm_start = self._comm_totals()  # start-up traffic is no step-phase's
         self._start_step = self.step
-        self._phase = "ready"
+        self._phase = RankPhase.READY
         return {
             "rank": self.rank,
             "dp_rank": topo.dp_rank,
@@ -167,8 +181,9 @@ class RankWorker:
             t0 = time.perf_counter()
             volume0 = engine.comm_ledger().volume_elements()
             total = 0.0
+            self._phase = RankPhase.TRAINING
             for m in range(accum):
-                self._phase = f"forward {m}"
+                self._micro_batch = m
                 x, y = micro_batch(
                     self.dataset,
                     self.step,
@@ -180,9 +195,7 @@ class RankWorker:
                 )
                 device = engine.units[0].flat.device
                 loss = engine(x.to(device), y.to(device))
-                self._phase = f"backward {m}"
                 engine.backward(loss)
-                self._phase = "step"
                 report = engine.step()
                 total += loss.item() / accum
             seconds = time.perf_counter() - t0
@@ -203,7 +216,7 @@ class RankWorker:
                     "peak_bytes": peak,
                 }
             )
-        self._phase = "idle"
+        self._phase = RankPhase.IDLE
         return {
             "rank": self.rank,
             "losses": losses,
@@ -309,11 +322,11 @@ class RankWorker:
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, keep: int) -> str:
         assert self.engine is not None
-        self._phase = "checkpoint"
+        self._phase = RankPhase.CHECKPOINT
         path = self.engine.save_checkpoint(
             self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
         )
-        self._phase = "idle"
+        self._phase = RankPhase.IDLE
         return str(path)
 
     # -- watchdog and stats --------------------------------------------------------------
@@ -329,10 +342,17 @@ class RankWorker:
                 last = f"{last} (mp: {mp_last})" if last else f"mp {mp_last}"
         return {
             "step": self.step,
-            "phase": self._phase,
+            "phase": self._describe_phase(),
             "collectives": launched,
             "last_collective": last,
         }
+
+    def _describe_phase(self) -> str:
+        """The rank's phase; while training, the engine's state and the micro-batch
+        (``reducing, micro-batch 0``: inside a backward that reduces)."""
+        if self._phase is RankPhase.TRAINING and self.engine is not None:
+            return f"{self.engine.state.value}, micro-batch {self._micro_batch}"
+        return self._phase.value
 
     def stats(self) -> dict[str, Any]:
         return dict(self._last, step=self.step, rank=self.rank)

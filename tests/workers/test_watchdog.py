@@ -5,7 +5,7 @@ from __future__ import annotations
 from workers.watchdog import diagnose
 
 
-def _p(step, n, last, phase="backward 0"):
+def _p(step, n, last, phase="reducing, micro-batch 0"):
     return {"step": step, "phase": phase, "collectives": n, "last_collective": last}
 
 
