@@ -167,6 +167,8 @@ def test_frozen_rank_is_named_by_the_watchdog(local_ray, tmp_path):
     assert "not responding" in stall["message"]
     # The last collective each rank entered is named (rank 0 waits inside one).
     assert "rank 0: collective #" in stall["message"]
+    # Rank 0's phase is the engine's own state inside the step, with its micro-batch.
+    assert ", micro-batch 0)" in stall["message"], stall["message"]
     # Detected within the step timeout plus the polling slack (a poll is <= 2 s).
     assert detected < step_timeout + 10
     ray.kill(handle)
