@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .buffers import Arena
 from .tensor_parallel import MPGroup
 
 
@@ -62,18 +63,13 @@ class CheckpointStore:
     ):
         self.mp = mp if partition and mp is not None and mp.size > 1 else None
         self.offload, self.contiguous, self.blocks = offload, contiguous, blocks
-        self._arena: torch.Tensor | None = None
-        self._want = 0
-        """Elements the arena should hold (grows when a forward needed more)."""
-        self._used = 0
-        self._pass_need = 0
+        self.arena = Arena(blocks)
+        """M_D: one buffer for a forward's checkpoints (see buffers.Arena)."""
         self._live = 0
         self.device_bytes = 0
         self.host_bytes = 0
         self.peak_bytes = 0
-        self.overflows = 0
         self.saved = 0
-        self.arena_allocations = 0
 
     # -- storage ----------------------------------------------------------------------
     def _home(self, like: torch.Tensor) -> torch.device:
@@ -84,29 +80,9 @@ class CheckpointStore:
         pin = self.offload and like.is_cuda
         if not self.contiguous:
             return torch.empty(numel, dtype=like.dtype, device=home, pin_memory=pin)
-        if self._live == 0:
-            self._used = 0
-            if self._pass_need > self._want:
-                self._want = self._pass_need
-            self._pass_need = 0
-            arena = self._arena
-            stale = arena is not None and (
-                arena.numel() < self._want or arena.dtype != like.dtype or arena.device != home
-            )
-            if arena is None or stale:
-                want = max(self._want, numel * self.blocks)
-                self._arena = torch.empty(want, dtype=like.dtype, device=home, pin_memory=pin)
-                self._want = want
-                self.arena_allocations += 1
-        self._pass_need += numel
-        arena = self._arena
-        assert arena is not None
-        if arena.dtype != like.dtype or self._used + numel > arena.numel():
-            self.overflows += 1
-            return torch.empty(numel, dtype=like.dtype, device=home, pin_memory=pin)
-        piece = arena[self._used : self._used + numel]
-        self._used += numel
-        return piece
+        if self._live == 0:  # nothing held: a new forward starts at the arena's start
+            self.arena.rewind()
+        return self.arena.take(numel, like.dtype, home, pin)
 
     def save(self, x: torch.Tensor) -> _Saved:
         flat = x.detach().reshape(-1)
@@ -149,8 +125,16 @@ class CheckpointStore:
 
     @property
     def arena_bytes(self) -> int:
-        a = self._arena
-        return 0 if a is None else a.numel() * a.element_size()
+        return self.arena.bytes
+
+    @property
+    def overflows(self) -> int:
+        """Checkpoints that did not fit the arena (held in tensors of their own)."""
+        return self.arena.overflows
+
+    @property
+    def arena_allocations(self) -> int:
+        return self.arena.allocations
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.device_bytes + self.host_bytes

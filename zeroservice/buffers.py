@@ -1,6 +1,7 @@
 """Buffers the engine allocates once and reuses: the gradient staging pool (the paper's
-constant buffers C_B), stage 3's cache of whole-unit buffers, and contiguous slices for
-long-lived tensors (M_D). See [Note: constant buffers] in reduce.py."""
+constant buffers C_B), stage 3's cache of whole-unit buffers, the activation
+checkpoints' arena and contiguous slices for long-lived tensors (both M_D). See [Note:
+constant buffers] in reduce.py."""
 
 from __future__ import annotations
 
@@ -114,6 +115,59 @@ class BufferCache:
         """Drop the idle buffers (at the end of a pass: reuse is within a pass)."""
         self._free.clear()
         self.idle_elements = 0
+
+
+class Arena:
+    """One buffer handed out in consecutive pieces, from its start again after
+    ``rewind`` (M_D: a forward's activation checkpoints never interleave with other
+    allocations). Sized at the first pass for ``blocks`` pieces like the first; a pass
+    that needed more makes the next rewind allocate that much. A piece that does not fit
+    is a tensor of its own, counted in ``overflows``."""
+
+    def __init__(self, blocks: int):
+        self.blocks = blocks
+        self._buffer: torch.Tensor | None = None
+        self._want = 0
+        """Elements the arena should hold (grows when a pass needed more)."""
+        self._used = 0
+        self._pass_need = 0
+        self.overflows = 0
+        self.allocations = 0
+        self._rewound = True
+
+    def rewind(self) -> None:
+        """Nothing taken is held any more: the next pass starts at the beginning."""
+        self._used = 0
+        self._want = max(self._want, self._pass_need)
+        self._pass_need = 0
+        self._rewound = True
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+        if self._rewound:
+            self._rewound = False
+            buffer = self._buffer
+            stale = buffer is not None and (
+                buffer.numel() < self._want or buffer.dtype != dtype or buffer.device != device
+            )
+            if buffer is None or stale:
+                want = max(self._want, numel * self.blocks)
+                self._buffer = torch.empty(want, dtype=dtype, device=device, pin_memory=pin)
+                self._want = want
+                self.allocations += 1
+        self._pass_need += numel
+        buffer = self._buffer
+        assert buffer is not None
+        if buffer.dtype != dtype or self._used + numel > buffer.numel():
+            self.overflows += 1
+            return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+        piece = buffer[self._used : self._used + numel]
+        self._used += numel
+        return piece
+
+    @property
+    def bytes(self) -> int:
+        b = self._buffer
+        return 0 if b is None else b.numel() * b.element_size()
 
 
 def contiguous_slices(
