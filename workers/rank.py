@@ -28,8 +28,9 @@ from .flops import flops_per_token, peak_tflops
 from .metrics import RankMetrics
 from .spec import JobSpec
 
-START_UP_TAGS = ("init", "state")
-"""Collectives of start-up and checkpointing, not of a training step."""
+START_UP_TAGS = ("init", "state", "load", "order")
+"""Collectives of start-up, checkpoints and the one-time launch-order agreement, not of
+a training step."""
 
 
 def _process_bytes(field: str) -> int:

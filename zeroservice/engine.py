@@ -173,6 +173,7 @@ class Engine:
             param_hooks=not self.policy.partitions_params,
             staging=cache if grad_comm_dtype == dtype else None,
             bucket_elements=budget.unit_elements,
+            module=module,
         )
         if self.policy.partitions_params:
             assert cache is not None

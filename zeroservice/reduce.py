@@ -5,16 +5,17 @@ Collectives must be issued in the same order on every rank. Gradients can arrive
 a different order on different ranks (data-dependent control flow, unused
 parameters), so a finished unit is launched only when every unit before it in the
 *launch order* has been launched; ``finalize_backward`` launches whatever is left, in
-that order, with zeros for parameters that got no gradient. The launch order starts
-as the units' index order (reverse registration, about the order backward finishes
-them). A model whose forward calls its modules in another order finishes units out of
-that order, and a unit finished early waits in a staging buffer of its own: at stage 2
-about Psi extra bytes. So the first backward that reduces records the order in which
-units finished, and every rank adopts it when all ranks recorded the same one (rank
-0's order broadcast, agreement checked by one all-reduce, tag "order": two small
-collectives, once). From then on units finish in launch order and two staging buffers
-suffice; a model whose order changes from step to step falls back on temporary
-buffers, counted in the pool's ``overflows`` and in the ledger's peak.
+that order, with zeros for parameters that got no gradient. A unit finished before its
+turn waits in a staging buffer of its own, so the launch order must follow the order
+backward finishes units, or a model whose forward calls its modules out of
+registration order would hold about Psi extra bytes at stage 2. The launch order starts
+as index order (reverse registration); the first forward records the order in which it
+used the units, and before the first backward that reduces, every rank adopts its
+reverse; after that backward, the order in which units actually finished (see
+launch_order.py). Each is adopted only when all ranks proposed the same order (two
+small collectives, tag "order", each once). From then on two staging buffers suffice;
+a model whose order changes from step to step falls back on temporary buffers,
+counted in the pool's ``overflows`` and in the ledger's peak.
 
 [Note: gradient storage]
 Stages 0 and 1 keep a full gradient buffer per unit and make each ``param.grad`` a
@@ -62,10 +63,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from . import comm
 from .buffers import BufferPool, BufferSource, contiguous_slices
 from .flat import FlatUnit, padded_size
+from .launch_order import FirstUse, agreed, complete
 from .stages import StagePolicy
 from .state import StateCell, TrainingState
 
@@ -101,6 +104,7 @@ class GradReducer:
         param_hooks: bool = True,
         staging: BufferSource | None = None,
         bucket_elements: int | None = None,
+        module: nn.Module | None = None,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
         self.state = state
@@ -138,6 +142,7 @@ class GradReducer:
         self.order = list(range(len(units)))
         """The launch order (unit indices). See [Note: reduction order]."""
         self._learning = param_hooks and communicator.world > 1
+        self._first_use = FirstUse(module, units) if self._learning and module else None
         self._finished: list[int] = []
         self._next_launch = 0
         """Position in ``order`` of the next unit to launch."""
@@ -178,10 +183,18 @@ class GradReducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._first_use is not None:
+            self._first_use.close()
 
     # -- hook points ----------------------------------------------------------------
     def pre_backward(self) -> None:
         """Arm the hooks for one backward (the engine has set the state already)."""
+        if self._first_use is not None and self.active:
+            self._first_use.close()
+            proposal = complete(self._first_use.order[::-1], self.order)
+            self._first_use = None
+            if agreed(proposal, self.comm, self.units[0].flat.device):
+                self.order = proposal
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
         self._next_launch = 0
@@ -293,14 +306,8 @@ class GradReducer:
     def _adopt_finish_order(self) -> None:
         """Launch units from now on in the order this backward finished them, if every
         rank saw the same order. See [Note: reduction order]."""
-        seen = set(self._finished)
-        observed = self._finished + [i for i in self.order if i not in seen]
-        device = self.units[0].flat.device
-        proposal = torch.tensor(observed, dtype=torch.int64, device=device)
-        self.comm.broadcast(proposal, "order").wait()
-        agreed = torch.tensor([int(proposal.tolist() == observed)], device=device)
-        self.comm.all_reduce(agreed, "order", op=torch.distributed.ReduceOp.MIN).wait()
-        if agreed.item() == 1:
+        observed = complete(self._finished, self.order)
+        if agreed(observed, self.comm, self.units[0].flat.device):
             self.order = observed
 
     def _source(self, unit: FlatUnit) -> tuple[torch.Tensor, _Lease | None]:
