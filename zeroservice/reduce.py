@@ -142,7 +142,7 @@ class GradReducer:
         self.order = list(range(len(units)))
         """The launch order (unit indices). See [Note: reduction order]."""
         self._learning = param_hooks and communicator.world > 1
-        self._first_use = FirstUse(module, units) if self._learning and module else None
+        self._first_use = FirstUse(module, units) if self._learning and module is not None else None
         self._finished: list[int] = []
         self._next_launch = 0
         """Position in ``order`` of the next unit to launch."""
