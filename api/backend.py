@@ -111,7 +111,8 @@ class RayBackend:
         if handle is None:
             return None
         try:
-            return ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
+            snap = ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
+            return snap.as_dict()  # a workers.messages.JobSnapshot
         except RayActorError:
             return None  # it died between the lookup and the call
         # A timeout raises: the supervisor is slow, not gone; the job is left as it is.

@@ -24,6 +24,7 @@ from zeroservice.memory import process_status_kib
 
 from .build import build_dataset, build_model, optimizer_factory
 from .flops import flops_per_token, peak_tflops
+from .messages import RankChunk, RankProgress, RankSetup
 from .metrics import RankMetrics
 from .spec import JobSpec
 
@@ -50,6 +51,7 @@ class RankWorker:
         self._mp_ledgers: list[CommLedger] = []
         self.metrics_collectives: dict[tuple[str, str], dict[str, float]] = {}
         self._last: dict[str, Any] = {}
+        self.saved_step = -1
 
     # -- placement and bootstrap ---------------------------------------------------------
     def address(self) -> dict[str, Any]:
@@ -78,7 +80,7 @@ class RankWorker:
         checkpoint_root: str,
         restarts: int,
         node: str,
-    ) -> dict[str, Any]:
+    ) -> RankSetup:
         """Join the group (bounded by the bootstrap timeout), build the engine, load the
         newest valid checkpoint if there is one, start serving metrics."""
         import ray
@@ -138,18 +140,18 @@ class RankWorker:
         metrics_port = self.metrics.serve(node_ip)
         self.metrics.update(restarts=restarts, workers=world, step=self.step, tokens=self.tokens)
         self._phase = "ready"
-        return {
-            "rank": self.rank,
-            "dp_rank": topo.dp_rank,
-            "mp_rank": topo.mp_rank,
-            "start_step": self.step,
-            "loaded": loaded,
-            "metrics": f"{node_ip}:{metrics_port}",
-            "psi": engine.psi,
-        }
+        return RankSetup(
+            rank=self.rank,
+            dp_rank=topo.dp_rank,
+            mp_rank=topo.mp_rank,
+            start_step=self.step,
+            loaded=loaded,
+            metrics=f"{node_ip}:{metrics_port}",
+            psi=engine.psi,
+        )
 
     # -- training -------------------------------------------------------------------------
-    def train(self, until: int) -> dict[str, Any]:
+    def train(self, until: int) -> RankChunk:
         """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches)."""
         engine, spec = self.engine, self.spec
         assert engine is not None, "setup first"
@@ -186,14 +188,16 @@ class RankWorker:
             losses[self.step] = total
             self._publish(total, seconds, tokens_per_step, report.loss_scale)
         self._phase = "idle"
-        return {
-            "rank": self.rank,
-            "losses": losses,
-            "step": self.step,
-            "ledger": engine.memory_ledger().as_dict(),
-            "comm_volume_per_step": volume_per_step,
-            "tokens_per_second": tokens_per_step / seconds if seconds else 0.0,
-        }
+        return RankChunk(
+            rank=self.rank,
+            step=self.step,
+            losses=losses,
+            stats={
+                "ledger": engine.memory_ledger().as_dict(),
+                "comm_volume_per_step": volume_per_step,
+                "tokens_per_second": tokens_per_step / seconds if seconds else 0.0,
+            },
+        )
 
     def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> None:
         assert self.engine is not None and self.metrics is not None
@@ -260,11 +264,12 @@ class RankWorker:
         path = self.engine.save_checkpoint(
             self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
         )
+        self.saved_step = self.step
         self._phase = "idle"
         return str(path)
 
     # -- watchdog and stats --------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> RankProgress:
         """Answered while ``train`` runs (threaded actor). See workers/watchdog.py."""
         launched, last = 0, ""
         if self.engine is not None:
@@ -274,12 +279,7 @@ class RankWorker:
             if self._mp_ledgers and self._mp_ledgers[0].launched:
                 mp_last = self._mp_ledgers[0].last_launched
                 last = f"{last} (mp: {mp_last})" if last else f"mp {mp_last}"
-        return {
-            "step": self.step,
-            "phase": self._phase,
-            "collectives": launched,
-            "last_collective": last,
-        }
+        return RankProgress(self.step, self._phase, launched, last, self.saved_step)
 
     def stats(self) -> dict[str, Any]:
         return dict(self._last, step=self.step, rank=self.rank)
