@@ -15,7 +15,9 @@ job_states.py) and the allowed moves (workers.state.TRANSITIONS):
               succeeded (all steps) | resizing (capacity returned: at a checkpoint
               boundary, grow up to max_dp) | resizing (a lost worker or a stall:
               counts a restart; down to min_dp) | failed (a training error, the
-              restart budget spent) | cancelled
+              restart budget spent) | cancelled. A save that failed (a full disk)
+              is an event and the job goes on: running, the next save tries again
+              (after the last step, the save alone, up to FINAL_SAVE_TRIES times)
 
 Every move passes ``check_transition`` and then the callbacks (the job record's
 status is one); every restart, resize, placement and checkpoint is an event.
@@ -49,6 +51,8 @@ from .worker_group import (
 )
 
 Callback = Callable[[State, State], None]
+FINAL_SAVE_TRIES = 3
+"""How often the checkpoint after the last step is tried before the job fails."""
 
 
 class Interruption(enum.Enum):
@@ -199,25 +203,43 @@ class JobController:
     def _chunk(self, state: Running) -> State:
         spec, group = self.spec, state.group
         step = self.record.step
-        if step >= spec.steps:
+        if step >= spec.steps and not state.failed_saves:
             return self._succeeded(group)
-        target = min(
-            spec.steps,
-            (step // spec.checkpoint.interval_steps + 1) * spec.checkpoint.interval_steps,
-        )
-        t0 = time.monotonic()
-        stop, chunks = self._watch(group, "train", target)
+        if step < spec.steps:
+            interval = spec.checkpoint.interval_steps
+            target = min(spec.steps, (step // interval + 1) * interval)
+            t0 = time.monotonic()
+            stop, chunks = self._watch(group, "train", target)
+            if stop is not None:
+                return self._interrupted(group, stop)
+            self.record.add_chunk(chunks, group.stats())
+            self._progress_line(step, target, time.monotonic() - t0)
+            with self.record.lock:
+                self.record.step = step = target
+        return self._save(state, step)
+
+    def _save(self, state: Running, step: int) -> State:
+        """Every rank saves. A failed save (a full disk) is an event, not a failure: the
+        next chunk's save tries again; after the last step it is tried again up to
+        ``FINAL_SAVE_TRIES`` times. See [Note: failed save]."""
+        spec, group = self.spec, state.group
+        stop, saves = self._watch(group, "save", spec.checkpoint.keep)
         if stop is not None:
             return self._interrupted(group, stop)
-        self.record.add_chunk(chunks, group.stats())
-        self._progress_line(step, target, time.monotonic() - t0)
-        stop, paths = self._watch(group, "save", spec.checkpoint.keep)
-        if stop is not None:
-            return self._interrupted(group, stop)
-        with self.record.lock:
-            self.record.step = target
-        self.record.event("checkpoint", "saved", f"step {target}: {paths[0]}", path=paths[0])
-        if target >= spec.steps:
+        failed = [s.error for s in saves if s.error]
+        if failed:
+            self.record.event("checkpoint", "save_failed", f"step {step}: {failed[0]}")
+            tries = state.failed_saves + 1
+            if step >= spec.steps and tries >= FINAL_SAVE_TRIES:
+                group.shutdown(clean=False)
+                return Failed(
+                    reason="checkpoint_failed",
+                    message=f"the final checkpoint failed {tries} times: {failed[0]}",
+                )
+            return Running(group=group, message=state.message, failed_saves=tries)
+        path = saves[0].path
+        self.record.event("checkpoint", "saved", f"step {step}: {path}", path=path)
+        if step >= spec.steps:
             return self._succeeded(group)
         more = self._room_to_grow(group.dp)
         if more > 0:

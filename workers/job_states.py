@@ -61,6 +61,8 @@ class Running(State):
     kind: ClassVar[JobState] = JobState.RUNNING
     group: WorkerGroup = field(repr=False)
     reason: str = "training"
+    failed_saves: int = 0
+    """Saves that failed in a row (a full disk): the ranks hold steps no checkpoint has."""
 
 
 @dataclass(kw_only=True)

@@ -62,6 +62,15 @@ class RankChunk:
 
 
 @dataclass(frozen=True)
+class RankSaved:
+    """A rank's answer to a save: the committed directory, or why the save failed
+    (every rank of a data-parallel group reports the same failure)."""
+
+    path: str | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class JobStatus:
     """The supervisor's view of its job, as the control plane stores it."""
 

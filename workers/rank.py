@@ -24,7 +24,7 @@ from zeroservice.memory import process_status_kib
 
 from .build import build_dataset, build_model, optimizer_factory
 from .flops import flops_per_token, peak_tflops
-from .messages import RankChunk, RankProgress, RankSetup
+from .messages import RankChunk, RankProgress, RankSaved, RankSetup
 from .metrics import RankMetrics
 from .spec import JobSpec
 
@@ -258,15 +258,23 @@ class RankWorker:
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save(self, keep: int) -> str:
+    def save(self, keep: int) -> RankSaved:
+        """Save on every rank; a save that failed (a full disk) is reported, not
+        raised: training goes on from the previous checkpoint's safety net."""
+        from zeroservice.checkpoint import SaveFailed
+
         assert self.engine is not None
         self._phase = "checkpoint"
-        path = self.engine.save_checkpoint(
-            self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
-        )
+        try:
+            path = self.engine.save_checkpoint(
+                self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
+            )
+        except SaveFailed as exc:
+            return RankSaved(None, str(exc))
+        finally:
+            self._phase = "idle"
         self.saved_step = self.step
-        self._phase = "idle"
-        return str(path)
+        return RankSaved(str(path))
 
     # -- watchdog and stats --------------------------------------------------------------
     def progress(self) -> RankProgress:

@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.messages import RankChunk, RankProgress, RankSetup
+from workers.messages import RankChunk, RankProgress, RankSaved, RankSetup
 from workers.worker_group import InProcessPool, RankDied
 
 
@@ -20,6 +20,8 @@ class Script:
     kill: set[tuple[int, int, int]] = field(default_factory=set)
     freeze: set[tuple[int, int, int]] = field(default_factory=set)
     error: set[tuple[int, int, int]] = field(default_factory=set)
+    full_disk: set[int] = field(default_factory=set)
+    """Steps whose save fails (ENOSPC) on every rank."""
     fail_setup: set[int] = field(default_factory=set)
     """Attempts whose rank 0 fails to join the group."""
     on_kill: Any = None
@@ -68,12 +70,15 @@ class ScriptedRank:
         self.phase = "idle"
         return RankChunk(self.rank, self.step, losses, {"tokens_per_second": 1.0})
 
-    def save(self, keep: int) -> str:
+    def save(self, keep: int) -> RankSaved:
+        path = f"/ckpt/step-{self.step:08d}"
+        if self.step in self.script.full_disk:
+            return RankSaved(None, f"{path}: save failed: rank 1: ENOSPC: No space left on device")
         if self.rank == 0:
             self.script.saved = self.step
             if self.script.on_save:
                 self.script.on_save(self.step)
-        return f"/ckpt/step-{self.step:08d}"
+        return RankSaved(path)
 
     def progress(self) -> RankProgress:
         if self.frozen:

@@ -154,6 +154,40 @@ def test_a_failed_start_counts_a_restart_and_tries_again():
     assert ctl.run() == Succeeded(message="4 steps")
 
 
+def test_a_full_disk_fails_the_save_not_the_job():
+    script = Script(full_disk={4}, kill={(1, 0, 10)})
+    spec = tiny_job(steps=12, checkpoint={"interval_steps": 4})
+    ctl = _controller(spec, scripted_pool(script, capacity=2))
+    assert _steps(ctl, 4)[2:] == [(Running, Running), (Running, Running)]
+    saves = [(e["reason"], e["step"]) for e in _events(ctl, "checkpoint")]
+    assert saves == [("save_failed", 4), ("saved", 8)]  # the next save tried again
+    assert "ENOSPC" in _events(ctl, "checkpoint")[0]["message"]
+    assert ctl.state.failed_saves == 0 and ctl.record.restarts == 0
+    ctl.run()  # a rank lost at step 10 restarts from step 8, the newest sound one
+    assert _events(ctl, "placed")[1]["from_checkpoint"] == "step-00000008"
+    assert ctl.record.status == JobState.SUCCEEDED
+
+
+def test_the_final_save_is_tried_again_then_fails_the_job():
+    script = Script(full_disk={4})
+    ctl = _controller(tiny_job(steps=4), scripted_pool(script, capacity=2))
+    assert _steps(ctl, 5)[2:] == [(Running, Running), (Running, Running), (Running, Failed)]
+    assert ctl.state.reason == "checkpoint_failed"
+    assert "the final checkpoint failed 3 times" in ctl.state.message
+    assert [e["reason"] for e in _events(ctl, "checkpoint")] == ["save_failed"] * 3
+    assert script.trained.count((1, 0, 4)) == 1  # the steps were not trained again
+
+
+def test_the_final_save_succeeds_on_a_retry():
+    script = Script(full_disk={4})
+    pool = scripted_pool(script, capacity=2)
+    ctl = _controller(tiny_job(steps=4), pool)
+    _steps(ctl, 3)
+    script.full_disk.clear()  # space was freed
+    assert _steps(ctl, 1) == [(Running, Succeeded)]
+    assert [e["reason"] for e in _events(ctl, "checkpoint")] == ["save_failed", "saved"]
+
+
 def test_no_room_fails_the_job_with_what_is_free():
     ctl = _controller(tiny_job(), scripted_pool(Script(), capacity=1))
     assert _steps(ctl, 2)[-1] == (Starting, Failed)
