@@ -27,7 +27,12 @@ class Backend(Protocol):
         """Whether the job's smallest size (min_dp replicas) fits the free resources."""
         ...
 
-    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None: ...
+    def launch(
+        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+    ) -> None:
+        """Start the job's supervisor (or find it). ``restarts``: a new supervisor for a
+        job whose supervisor was lost, after that many restarts (this one included)."""
+        ...
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
         """The model's trainable parameters, counted on a worker (never in this process);
@@ -85,12 +90,14 @@ class RayBackend:
 
         return replicas_available(spec.resources) >= spec.resources.lowest_dp
 
-    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+    def launch(
+        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+    ) -> None:
         self._ensure()
         from workers.jobs import launch
 
         Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
-        launch(job_id, spec, checkpoint_root)
+        launch(job_id, spec, checkpoint_root, restarts)
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
         self._ensure()

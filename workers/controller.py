@@ -87,6 +87,8 @@ class JobController:
         self.cancel_reason = "cancelled by request"
         self.state: State = initial or Queued()
         self.callbacks: list[Callback] = [self._record_status]
+        if initial is not None:  # a machine that begins elsewhere (a replaced supervisor)
+            record.set_status(initial.kind, initial.reason, initial.message)
 
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> tuple[State, State]:
@@ -183,7 +185,7 @@ class JobController:
                 for r, a in enumerate(group.addresses)
             ],
         )
-        return Running(group=group, message=f"dp {group.dp} × mp {mp}")
+        return Running(group=group, step=first.start_step, message=f"dp {group.dp} × mp {mp}")
 
     def _restart(self, reason: str, message: str, ranks: list[int] | None = None) -> State:
         """A restart from the newest checkpoint; failed when the budget is spent."""
@@ -201,8 +203,7 @@ class JobController:
 
     # -- running: one chunk -----------------------------------------------------------------
     def _chunk(self, state: Running) -> State:
-        spec, group = self.spec, state.group
-        step = self.record.step
+        spec, group, step = self.spec, state.group, state.step
         if step >= spec.steps and not state.failed_saves:
             return self._succeeded(group)
         if step < spec.steps:
@@ -214,8 +215,7 @@ class JobController:
                 return self._interrupted(group, stop)
             self.record.add_chunk(chunks, group.stats())
             self._progress_line(step, target, time.monotonic() - t0)
-            with self.record.lock:
-                self.record.step = step = target
+            step = target
         return self._save(state, step)
 
     def _save(self, state: Running, step: int) -> State:
@@ -228,7 +228,7 @@ class JobController:
             return self._interrupted(group, stop)
         failed = [s.error for s in saves if s.error]
         if failed:
-            self.record.event("checkpoint", "save_failed", f"step {step}: {failed[0]}")
+            self.record.event("checkpoint", "save_failed", f"step {step}: {failed[0]}", step=step)
             tries = state.failed_saves + 1
             if step >= spec.steps and tries >= FINAL_SAVE_TRIES:
                 group.shutdown(clean=False)
@@ -236,8 +236,10 @@ class JobController:
                     reason="checkpoint_failed",
                     message=f"the final checkpoint failed {tries} times: {failed[0]}",
                 )
-            return Running(group=group, message=state.message, failed_saves=tries)
+            return Running(group=group, step=step, message=state.message, failed_saves=tries)
         path = saves[0].path
+        with self.record.lock:
+            self.record.step = step
         self.record.event("checkpoint", "saved", f"step {step}: {path}", path=path)
         if step >= spec.steps:
             return self._succeeded(group)
@@ -248,7 +250,7 @@ class JobController:
                 reason="capacity_returned",
                 message=f"room for {more} more replica(s): growing from the checkpoint",
             )
-        return Running(group=group, message=state.message)
+        return Running(group=group, step=step, message=state.message)
 
     def _succeeded(self, group: WorkerGroup) -> State:
         group.shutdown(clean=True)

@@ -60,6 +60,8 @@ class Running(State):
 
     kind: ClassVar[JobState] = JobState.RUNNING
     group: WorkerGroup = field(repr=False)
+    step: int
+    """The ranks' step (the job's status shows the newest checkpointed one)."""
     reason: str = "training"
     failed_saves: int = 0
     """Saves that failed in a row (a full disk): the ranks hold steps no checkpoint has."""
@@ -80,3 +82,12 @@ class Failed(State):
 class Cancelled(State):
     kind: ClassVar[JobState] = JobState.CANCELLED
     reason: str = "cancelled"
+
+
+def replacing_supervisor(restarts: int) -> Resizing:
+    """Where a supervisor that replaces a lost one begins (see [Note: supervised
+    supervisor] in api/scheduler.py): its group loads the newest sound checkpoint."""
+    return Resizing(
+        reason="supervisor_lost",
+        message=f"a new supervisor (restart {restarts}) goes on from the newest checkpoint",
+    )

@@ -11,9 +11,13 @@ from .spec import JobSpec
 from .supervisor import NAMESPACE, JobSupervisor, supervisor_name
 
 
-def launch(job_id: str, spec: JobSpec, checkpoint_root: str | Path) -> Any:
+def launch(
+    job_id: str, spec: JobSpec, checkpoint_root: str | Path, restarts: int | None = None
+) -> Any:
     """Create the job's detached supervisor (or find it: launching twice is harmless)
-    and start it; returns its actor handle.
+    and start it; returns its actor handle. ``restarts``: this supervisor replaces a
+    lost one, the job having restarted that many times (this restart included); it
+    goes on from the newest checkpoint.
 
     The supervisor takes no CPU and lives on the head node, the one node whose loss
     ends the cluster anyway: losing a worker node must never take a job's supervisor
@@ -28,7 +32,7 @@ def launch(job_id: str, spec: JobSpec, checkpoint_root: str | Path) -> Any:
         max_concurrency=16,
         max_restarts=0,
         get_if_exists=True,
-    ).remote(job_id, spec.model_dump_json(), str(checkpoint_root))
+    ).remote(job_id, spec.model_dump_json(), str(checkpoint_root), restarts)
     ray.get(handle.start.remote())
     return handle
 

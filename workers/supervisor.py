@@ -10,12 +10,14 @@ process restarts.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
 
 from .controller import JobController
 from .job_record import JobRecord
+from .job_states import replacing_supervisor
 from .messages import JobSnapshot
 from .ray_group import RayWorkerPool
 from .spec import JobSpec
@@ -32,17 +34,25 @@ def supervisor_name(job_id: str) -> str:
 class JobSupervisor:
     """See the module docstring."""
 
-    def __init__(self, job_id: str, spec_json: str, checkpoint_root: str):
+    def __init__(
+        self, job_id: str, spec_json: str, checkpoint_root: str, restarts: int | None = None
+    ):
         self.job_id = job_id
         self.spec = JobSpec.model_validate_json(spec_json)
         self.root = checkpoint_root
         res = self.spec.resources
         self.record = JobRecord(job_id, res.mp, self.spec.steps, checkpoint_root)
         pool = RayWorkerPool(job_id, self.spec, spec_json, checkpoint_root)
-        self.controller = JobController(self.spec, pool, self.record)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.record.event("status", "submitted", "job accepted by its supervisor")
+        if restarts is None:
+            self.record.event("status", "submitted", "job accepted by its supervisor")
+            self.controller = JobController(self.spec, pool, self.record)
+        else:
+            self.controller = JobController(
+                self.spec, pool, self.record, initial=replacing_supervisor(restarts)
+            )
+            self.record.restarts = restarts
 
     # -- what the control plane calls ----------------------------------------------------
     def start(self) -> str:
@@ -107,6 +117,9 @@ class JobSupervisor:
 
     def cancel(self, reason: str = "cancelled by request") -> None:
         self.controller.request_cancel(reason)
+
+    def process_id(self) -> int:
+        return os.getpid()
 
     def wait(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout

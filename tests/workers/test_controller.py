@@ -18,6 +18,7 @@ from workers.job_states import (
     Running,
     Starting,
     Succeeded,
+    replacing_supervisor,
 )
 from workers.state import TRANSITIONS, IllegalTransition, JobState, check_transition
 
@@ -213,6 +214,18 @@ def test_an_unexpected_error_fails_the_job_and_frees_the_group():
     assert _steps(ctl, 1) == [(Running, Failed)]
     assert ctl.state.reason == "internal_error" and "TypeError" in ctl.state.message
     assert ctl.pool.used == 0
+
+
+def test_a_replacement_supervisor_goes_on_from_the_newest_checkpoint():
+    script = Script(saved=8)  # what the lost supervisor's job had saved
+    spec = tiny_job(steps=12, max_restarts=1)
+    record = JobRecord("job", 1, spec.steps, "/ckpt")
+    record.restarts = 1  # counted by the control plane
+    ctl = JobController(spec, scripted_pool(script, 2), record, initial=replacing_supervisor(1))
+    assert record.status == JobState.RESIZING and record.reason == "supervisor_lost"
+    assert _steps(ctl, 2) == [(Resizing, Running), (Running, Succeeded)]
+    assert _events(ctl, "placed")[0]["from_checkpoint"] == "step-00000008"
+    assert sorted(record.losses) == [9, 10, 11, 12] and record.restarts == 1
 
 
 def test_the_transition_graph():
