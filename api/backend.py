@@ -144,6 +144,14 @@ class RayBackend:
         handle = attach(job_id)
         if handle is not None:
             ray.kill(handle, no_restart=True)
+        self.reap(job_id)
+
+    def reap(self, job_id: str) -> None:
+        """Remove what a lost supervisor left running (its ranks are detached)."""
+        self._ensure()
+        from workers.jobs import reap
+
+        reap(job_id)
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:
         self._ensure()

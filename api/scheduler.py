@@ -29,12 +29,16 @@ Each tick, in one session:
 [Note: supervised supervisor]
 A job's supervisor can die (its process killed, the head restarted). The control
 plane notices at its next sync (the poll finds no supervisor) and, as a restart of
-the job, starts a new supervisor with the job's restart count so far plus one: the
-new one begins in ``resizing`` and places a group that loads the newest sound
-checkpoint (the old supervisor's ranks died with it), and goes on; the job keeps its
-stored events, logs and history, and the positions read from the supervisor start
-again at 0. Only a spent restart budget (``max_restarts``) fails the job, as
-``supervisor_lost``.
+the job, starts a new supervisor with the job's restart count so far plus one. The
+ranks and their placement group are detached and named after the job, so they
+outlive the lost supervisor: the new one begins in ``resizing``, finds them, waits
+until the call the old one made is over (train or save, under the watchdog), takes
+that chunk's report, saves if the old one did not, and goes on with them. Without a
+complete, answering group it removes what is left and places a new group that loads
+the newest sound checkpoint. The job keeps its stored events, logs and history; the
+positions read from the supervisor start again at 0. Only a spent restart budget
+(``max_restarts``) fails the job, as ``supervisor_lost`` (its leftover ranks
+removed).
 """
 
 from __future__ import annotations
@@ -176,6 +180,9 @@ class Scheduler:
             return
         restarts = job.attempts + 1
         if restarts > spec.max_restarts:
+            reap = getattr(self.backend, "reap", None)
+            if reap is not None:
+                reap(job.id)  # the ranks it left running
             budget = f"restart budget of {spec.max_restarts} spent"
             store.set_status(session, job, JobState.FAILED, "supervisor_lost", f"{gone} ({budget})")
             return

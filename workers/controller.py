@@ -121,6 +121,10 @@ class JobController:
         if isinstance(state, Queued):
             res = self.spec.resources
             return Starting(message=f"asking Ray for {res.lowest_dp}-{res.highest_dp} replicas")
+        if isinstance(state, Resizing) and state.adopt:
+            adopted = self._adopt()
+            if adopted is not None:
+                return adopted
         if isinstance(state, Starting | Resizing):
             return self._place()
         if isinstance(state, Running):
@@ -154,6 +158,47 @@ class JobController:
         except GroupStartFailed as failure:
             return self._restart("bootstrap_failed", failure.message)
         return self._started(group)
+
+    def _adopt(self) -> State | None:
+        """Go on with the ranks a lost supervisor left, once the call it made is over;
+        None (the group torn down) when there are none or they do not settle."""
+        group = self.pool.adopt()
+        if group is None:
+            return None
+        stop, idle = self._watch(group, "settle")
+        steps = {i.progress.step for i in idle if i is not None}
+        if stop is not None or len(steps) != 1:
+            group.shutdown(clean=False)
+            return self._cancelled() if self.cancel.is_set() else None
+        group.setups = [i.setup for i in idle]
+        (step,) = steps
+        saved = idle[0].progress.saved_step
+        self._note_size(group.dp)
+        with self.record.lock:
+            self.record.step = max(saved, group.setups[0].start_step)
+        chunks = [i.last_chunk for i in idle if i.last_chunk is not None]
+        if len(chunks) == group.world:  # the chunk whose report the lost supervisor missed
+            self.record.add_chunk(chunks, {})
+            self.record.add_history(
+                step,
+                sum(
+                    c.stats.get("tokens_per_second", 0.0) for c in chunks[:: self.spec.resources.mp]
+                ),
+            )
+        mp = self.spec.resources.mp
+        self.record.event(
+            "placed",
+            "adopted",
+            f"{group.world} running ranks (dp {group.dp} × mp {mp}) at step {step}",
+            ranks=[
+                {"rank": r, "node": f"{a['ip']}/{a['node_id'][:8]}", "gpus": a["gpus"]}
+                for r, a in enumerate(group.addresses)
+            ],
+        )
+        unsaved = step > self.record.step  # trained, not yet saved: save before going on
+        return Running(
+            group=group, step=step, message=f"dp {group.dp} × mp {mp}", save_first=unsaved
+        )
 
     def _note_size(self, dp: int) -> None:
         previous = self.record.dp
@@ -204,6 +249,8 @@ class JobController:
     # -- running: one chunk -----------------------------------------------------------------
     def _chunk(self, state: Running) -> State:
         spec, group, step = self.spec, state.group, state.step
+        if state.save_first:
+            return self._save(state, step)
         if step >= spec.steps and not state.failed_saves:
             return self._succeeded(group)
         if step < spec.steps:

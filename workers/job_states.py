@@ -51,6 +51,8 @@ class Resizing(State):
     a lost supervisor) or to grow: the ranks load the newest checkpoint."""
 
     kind: ClassVar[JobState] = JobState.RESIZING
+    adopt: bool = False
+    """First look for the ranks a lost supervisor left running."""
 
 
 @dataclass(kw_only=True)
@@ -65,6 +67,9 @@ class Running(State):
     reason: str = "training"
     failed_saves: int = 0
     """Saves that failed in a row (a full disk): the ranks hold steps no checkpoint has."""
+    save_first: bool = False
+    """The ranks stand at a checkpoint boundary not saved yet (adopted from a lost
+    supervisor between its train and its save)."""
 
 
 @dataclass(kw_only=True)
@@ -86,8 +91,11 @@ class Cancelled(State):
 
 def replacing_supervisor(restarts: int) -> Resizing:
     """Where a supervisor that replaces a lost one begins (see [Note: supervised
-    supervisor] in api/scheduler.py): its group loads the newest sound checkpoint."""
+    supervisor] in api/scheduler.py): it adopts the ranks still running, or places a
+    group that loads the newest sound checkpoint."""
     return Resizing(
         reason="supervisor_lost",
-        message=f"a new supervisor (restart {restarts}) goes on from the newest checkpoint",
+        message=f"a new supervisor (restart {restarts}) goes on with the running ranks "
+        "or from the newest checkpoint",
+        adopt=True,
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 import ray
 
+from .ray_group import reap as reap_ranks
 from .spec import JobSpec
 from .supervisor import NAMESPACE, JobSupervisor, supervisor_name
 
@@ -53,4 +54,11 @@ def stop(job_id: str, reason: str = "cancelled by request", timeout: float = 30.
     ray.get(handle.cancel.remote(reason))
     status = ray.get(handle.wait.remote(timeout))
     ray.kill(handle, no_restart=True)
+    reap(job_id)  # whatever its teardown did not reach within the timeout
     return status
+
+
+def reap(job_id: str) -> int:
+    """Remove the rank actors and placement groups a lost supervisor left (they are
+    detached, so that a new supervisor can adopt them); returns the actors killed."""
+    return reap_ranks(job_id)

@@ -71,6 +71,17 @@ class RankSaved:
 
 
 @dataclass(frozen=True)
+class RankIdle:
+    """A rank with no call in flight, as a new supervisor finds it (see [Note:
+    supervised supervisor] in api/scheduler.py)."""
+
+    progress: RankProgress
+    setup: RankSetup
+    last_chunk: RankChunk | None
+    """The report of its last chunk (its caller may have been lost)."""
+
+
+@dataclass(frozen=True)
 class JobStatus:
     """The supervisor's view of its job, as the control plane stores it."""
 

@@ -24,7 +24,7 @@ from zeroservice.memory import process_status_kib
 
 from .build import build_dataset, build_model, optimizer_factory
 from .flops import flops_per_token, peak_tflops
-from .messages import RankChunk, RankProgress, RankSaved, RankSetup
+from .messages import RankChunk, RankIdle, RankProgress, RankSaved, RankSetup
 from .metrics import RankMetrics
 from .spec import JobSpec
 
@@ -52,6 +52,10 @@ class RankWorker:
         self.metrics_collectives: dict[tuple[str, str], dict[str, float]] = {}
         self._last: dict[str, Any] = {}
         self.saved_step = -1
+        self._busy = threading.Lock()
+        """Held by train and save: one of them at a time, and settle() waits for it."""
+        self._setup: RankSetup | None = None
+        self._last_chunk: RankChunk | None = None
 
     # -- placement and bootstrap ---------------------------------------------------------
     def address(self) -> dict[str, Any]:
@@ -140,7 +144,7 @@ class RankWorker:
         metrics_port = self.metrics.serve(node_ip)
         self.metrics.update(restarts=restarts, workers=world, step=self.step, tokens=self.tokens)
         self._phase = "ready"
-        return RankSetup(
+        self._setup = RankSetup(
             rank=self.rank,
             dp_rank=topo.dp_rank,
             mp_rank=topo.mp_rank,
@@ -149,10 +153,16 @@ class RankWorker:
             metrics=f"{node_ip}:{metrics_port}",
             psi=engine.psi,
         )
+        return self._setup
 
     # -- training -------------------------------------------------------------------------
     def train(self, until: int) -> RankChunk:
         """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches)."""
+        with self._busy:
+            self._last_chunk = self._train(until)
+            return self._last_chunk
+
+    def _train(self, until: int) -> RankChunk:
         engine, spec = self.engine, self.spec
         assert engine is not None, "setup first"
         accum = engine.config.gradient_accumulation_steps
@@ -264,17 +274,25 @@ class RankWorker:
         from zeroservice.checkpoint import SaveFailed
 
         assert self.engine is not None
-        self._phase = "checkpoint"
-        try:
-            path = self.engine.save_checkpoint(
-                self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
-            )
-        except SaveFailed as exc:
-            return RankSaved(None, str(exc))
-        finally:
-            self._phase = "idle"
-        self.saved_step = self.step
-        return RankSaved(str(path))
+        with self._busy:
+            self._phase = "checkpoint"
+            try:
+                path = self.engine.save_checkpoint(
+                    self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
+                )
+            except SaveFailed as exc:
+                return RankSaved(None, str(exc))
+            finally:
+                self._phase = "idle"
+            self.saved_step = self.step
+            return RankSaved(str(path))
+
+    def settle(self) -> RankIdle:
+        """Wait until the call in flight (a train or save a lost supervisor asked for)
+        is over; what a new supervisor needs to adopt this rank."""
+        with self._busy:
+            assert self._setup is not None, "never set up"
+            return RankIdle(self.progress(), self._setup, self._last_chunk)
 
     # -- watchdog and stats --------------------------------------------------------------
     def progress(self) -> RankProgress:

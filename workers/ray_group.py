@@ -1,22 +1,69 @@
 """The worker group on Ray: one placement group per attempt, one rank actor per rank
-(see [Note: placement]), Ray's errors turned into the controller's typed ones."""
+(see [Note: placement]), Ray's errors turned into the controller's typed ones.
+
+Rank actors and placement groups are detached and named after the job and the
+attempt, so that they outlive a supervisor that dies: its replacement adopts them
+(``RayWorkerPool.adopt``) or removes them (``reap``) before placing a new group.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .cluster import actor_env
 from .messages import RankProgress, RankSetup
-from .placement import Placement, place, replicas_available
+from .placement import Placement, place, placement_name, replicas_available
 from .rank import RankWorker
 from .spec import JobSpec
 from .worker_group import GroupStartFailed, RankDied, RankError
+
+NAMESPACE = "zeroservice"
+
+
+def rank_name(job_id: str, attempt: str, rank: int, world: int) -> str:
+    return f"zeroservice-rank-{job_id}-{attempt}-{rank}-of-{world}"
+
+
+def _job_ranks(job_id: str) -> dict[str, dict[int, tuple[str, int]]]:
+    """The job's named rank actors: attempt -> rank -> (name, world)."""
+    prefix = f"zeroservice-rank-{job_id}-"
+    out: dict[str, dict[int, tuple[str, int]]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != NAMESPACE or not name.startswith(prefix):
+            continue
+        attempt, rank, _, world = name[len(prefix) :].rsplit("-", 3)
+        if "-" in attempt:  # another job whose id begins with this one's
+            continue
+        out.setdefault(attempt, {})[int(rank)] = (name, int(world))
+    return out
+
+
+def reap(job_id: str) -> int:
+    """Kill every rank actor of the job and remove its placement groups (what a lost
+    supervisor left); returns the actors killed."""
+    killed = 0
+    for ranks in _job_ranks(job_id).values():
+        for name, _ in ranks.values():
+            with contextlib.suppress(Exception):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                killed += 1
+    prefix = placement_name(job_id, 0)[:-1]
+    for pg_id, info in placement_group_table().items():
+        name = info.get("name", "")
+        mine = name.startswith(prefix) and name[len(prefix) :].isdigit()
+        if mine and info.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+    return killed
 
 
 def short(exc: BaseException | None, limit: int = 600) -> str:
@@ -113,12 +160,39 @@ class RayWorkerPool:
     def free(self) -> str:
         return str(ray.available_resources())
 
+    def adopt(self) -> RayWorkerGroup | None:
+        """The complete group of rank actors a lost supervisor left, with its
+        placement; None (having removed whatever is left) when there is none."""
+        found = _job_ranks(self.job_id)
+        if len(found) != 1:
+            reap(self.job_id)
+            return None
+        ((_, ranks),) = found.items()
+        world = next(iter(ranks.values()))[1]
+        try:
+            if sorted(ranks) != list(range(world)) or world % self.spec.resources.mp:
+                raise ValueError(f"an incomplete group: ranks {sorted(ranks)} of {world}")
+            dp = world // self.spec.resources.mp
+            pg = ray.util.get_placement_group(placement_name(self.job_id, dp))
+            actors = [ray.get_actor(ranks[r][0], namespace=NAMESPACE) for r in range(world)]
+            group = RayWorkerGroup(Placement(pg, dp), actors)
+            timeout = self.spec.timeouts.bootstrap_s
+            group.addresses = ray.get([a.address.remote() for a in actors], timeout=timeout)
+        except Exception:
+            reap(self.job_id)
+            return None
+        return group
+
     def start(self, placement: Placement, restarts: int) -> RayWorkerGroup:
         res = self.spec.resources
         world = placement.dp * res.mp
         remote = ray.remote(RankWorker)
+        attempt = uuid.uuid4().hex[:8]
         actors = [
             remote.options(
+                name=rank_name(self.job_id, attempt, r, world),
+                namespace=NAMESPACE,
+                lifetime="detached",  # see the module docstring
                 num_cpus=res.cpus_per_rank,
                 num_gpus=res.gpus_per_rank,
                 max_concurrency=4,

@@ -18,13 +18,13 @@ from typing import Any
 from .controller import JobController
 from .job_record import JobRecord
 from .job_states import replacing_supervisor
+
+__all__ = ["NAMESPACE", "JobSupervisor", "supervisor_name"]
 from .messages import JobSnapshot
-from .ray_group import RayWorkerPool
+from .ray_group import NAMESPACE, RayWorkerPool
 from .spec import JobSpec
 from .state import JobState
 from .worker_group import rank_rows
-
-NAMESPACE = "zeroservice"
 
 
 def supervisor_name(job_id: str) -> str:

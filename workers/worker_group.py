@@ -88,6 +88,10 @@ class WorkerPool(Protocol):
         """Ranks on the placement, joined and set up; raises GroupStartFailed (having
         removed what it started)."""
 
+    def adopt(self) -> WorkerGroup | None:
+        """The group a lost supervisor left running (addresses known, setups not yet),
+        or None after removing whatever it left."""
+
     def free(self) -> str:
         """The free resources, in words, for a message."""
 
@@ -193,6 +197,8 @@ class InProcessPool:
         self.used = 0
         self.attempts = 0
         self.groups: list[InProcessGroup] = []
+        self.orphan: InProcessGroup | None = None
+        """A group whose supervisor was lost, for ``adopt``."""
         self._lock = threading.Lock()
 
     def available(self) -> int:
@@ -227,6 +233,10 @@ class InProcessPool:
             raise GroupStartFailed(f"starting {world} ranks failed: {why}")
         group.setups = [answers[r] for r in range(world)]
         self.groups.append(group)
+        return group
+
+    def adopt(self) -> InProcessGroup | None:
+        group, self.orphan = self.orphan, None
         return group
 
     def free(self) -> str:

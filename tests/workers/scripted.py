@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.messages import RankChunk, RankProgress, RankSaved, RankSetup
+from workers.messages import RankChunk, RankIdle, RankProgress, RankSaved, RankSetup
 from workers.worker_group import InProcessPool, RankDied
 
 
@@ -39,6 +39,8 @@ class ScriptedRank:
         self.step = 0
         self.phase = "created"
         self.frozen = False
+        self.saved_step = -1
+        self.last_chunk: RankChunk | None = None
 
     def setup(self, *args: Any) -> RankSetup:
         if self.attempt in self.script.fail_setup and self.rank == 0:
@@ -46,11 +48,19 @@ class ScriptedRank:
         self.step = self.script.saved
         loaded = f"step-{self.step:08d}" if self.step else None
         self.phase = "ready"
-        return RankSetup(
+        self.setup_info = RankSetup(
             self.rank, self.rank, 0, self.step, loaded, f"127.0.0.1:{9000 + self.rank}"
         )
+        return self.setup_info
 
     def train(self, until: int) -> RankChunk:
+        self.last_chunk = self._train(until)
+        return self.last_chunk
+
+    def settle(self) -> RankIdle:
+        return RankIdle(self.progress(), self.setup_info, self.last_chunk)
+
+    def _train(self, until: int) -> RankChunk:
         losses = {}
         while self.step < until:
             where = (self.attempt, self.rank, self.step + 1)
@@ -78,12 +88,13 @@ class ScriptedRank:
             self.script.saved = self.step
             if self.script.on_save:
                 self.script.on_save(self.step)
+        self.saved_step = self.step
         return RankSaved(path)
 
     def progress(self) -> RankProgress:
         if self.frozen:
             self.script.release.wait()
-        return RankProgress(self.step, self.phase, self.step)
+        return RankProgress(self.step, self.phase, self.step, "", self.saved_step)
 
     def stats(self) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step}

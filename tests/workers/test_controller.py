@@ -228,6 +228,57 @@ def test_a_replacement_supervisor_goes_on_from_the_newest_checkpoint():
     assert sorted(record.losses) == [9, 10, 11, 12] and record.restarts == 1
 
 
+def _orphan(script, pool, trained_to):
+    """The group a lost supervisor left: set up, trained to ``trained_to``, saved at
+    the step before the last chunk."""
+    placement = pool.place(2, 2, 60)
+    group = pool.start(placement, 0)
+    for rank in group.ranks:
+        rank.train(trained_to - 4)
+        rank.save(2)
+        rank.train(trained_to)  # its supervisor died before the save
+    pool.orphan = group
+    return group
+
+
+def _replacement(spec, pool):
+    record = JobRecord("job", 1, spec.steps, "/ckpt")
+    record.restarts = 1
+    return JobController(spec, pool, record, initial=replacing_supervisor(1))
+
+
+def test_a_replacement_supervisor_adopts_the_running_ranks():
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    orphan = _orphan(script, pool, trained_to=8)
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool)
+    assert _steps(ctl, 1) == [(Resizing, Running)]
+    assert ctl.group is orphan and ctl.state.save_first and ctl.record.step == 4
+    (adopted,) = _events(ctl, "placed")
+    assert adopted["reason"] == "adopted" and "at step 8" in adopted["message"]
+    assert _steps(ctl, 1) == [(Running, Running)]  # the save the lost supervisor missed
+    assert [e["step"] for e in _events(ctl, "checkpoint")] == [8] and ctl.record.step == 8
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and pool.attempts == 1  # no new group
+    assert sorted(ctl.record.losses) == list(range(5, 13))  # the lost chunk's included
+    assert [h["step"] for h in ctl.record.history_since(0)[0]] == [8, 12]
+
+
+def test_a_replacement_supervisor_falls_back_on_the_checkpoint_without_its_ranks():
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    orphan = _orphan(script, pool, trained_to=8)
+    orphan._gone.add(1)  # one of them died with the supervisor's node
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool)
+    assert _steps(ctl, 1) == [(Resizing, Running)]
+    assert ctl.group is not orphan and pool.attempts == 2
+    (placed,) = _events(ctl, "placed")
+    assert placed["reason"] == "started" and placed["from_checkpoint"] == "step-00000004"
+    assert ctl.record.restarts == 1  # the control plane counted this restart
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED
+
+
 def test_the_transition_graph():
     for state, successors in TRANSITIONS.items():
         assert state.is_terminal == (not successors)
