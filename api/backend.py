@@ -110,19 +110,17 @@ class RayBackend:
     ) -> dict[str, Any] | None:
         self._ensure()
         import ray
-        from ray.exceptions import RayActorError
 
         from workers.jobs import attach
 
         handle = attach(job_id)
         if handle is None:
             return None
-        try:
-            snap = ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
-            return snap.as_dict()  # a workers.messages.JobSnapshot
-        except RayActorError:
-            return None  # it died between the lookup and the call
         # A timeout raises: the supervisor is slow, not gone; the job is left as it is.
+        # So does RayActorError: it died, but while its name is still registered a new
+        # supervisor could not take it; the next poll finds the name free (None).
+        snap = ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
+        return snap.as_dict()  # a workers.messages.JobSnapshot
 
     def cancel(self, job_id: str, reason: str) -> None:
         self._ensure()
