@@ -27,7 +27,12 @@ class Backend(Protocol):
         """Whether the job's smallest size (min_dp replicas) fits the free resources."""
         ...
 
-    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None: ...
+    def launch(
+        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+    ) -> None:
+        """Start the job's supervisor (or find it). ``restarts``: a new supervisor for a
+        job whose supervisor was lost, after that many restarts (this one included)."""
+        ...
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
         """The model's trainable parameters, counted on a worker (never in this process);
@@ -85,12 +90,14 @@ class RayBackend:
 
         return replicas_available(spec.resources) >= spec.resources.lowest_dp
 
-    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+    def launch(
+        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+    ) -> None:
         self._ensure()
         from workers.jobs import launch
 
         Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
-        launch(job_id, spec, checkpoint_root)
+        launch(job_id, spec, checkpoint_root, restarts)
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
         self._ensure()
@@ -103,18 +110,17 @@ class RayBackend:
     ) -> dict[str, Any] | None:
         self._ensure()
         import ray
-        from ray.exceptions import RayActorError
 
         from workers.jobs import attach
 
         handle = attach(job_id)
         if handle is None:
             return None
-        try:
-            return ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
-        except RayActorError:
-            return None  # it died between the lookup and the call
         # A timeout raises: the supervisor is slow, not gone; the job is left as it is.
+        # So does RayActorError: it died, but while its name is still registered a new
+        # supervisor could not take it; the next poll finds the name free (None).
+        snap = ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
+        return snap.as_dict()  # a workers.messages.JobSnapshot
 
     def cancel(self, job_id: str, reason: str) -> None:
         self._ensure()
@@ -136,6 +142,14 @@ class RayBackend:
         handle = attach(job_id)
         if handle is not None:
             ray.kill(handle, no_restart=True)
+        self.reap(job_id)
+
+    def reap(self, job_id: str) -> None:
+        """Remove what a lost supervisor left running (its ranks are detached)."""
+        self._ensure()
+        from workers.jobs import reap
+
+        reap(job_id)
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:
         self._ensure()

@@ -10,10 +10,11 @@ Each tick, in one session:
    through its supervisor (found by name, so a restarted control plane reattaches to
    the jobs it left running); new events and log lines are copied into the store,
    status, step, dp, restarts and the last per-rank stats are updated, each job in
-   a transaction of its own. A running job whose supervisor is gone is failed with
-   that reason; a starting one is launched again (launching is idempotent: the
-   control plane may have stopped between marking it starting and launching it). A
-   poll that fails (a timeout) leaves the job as it is until the next tick.
+   a transaction of its own. A starting job without a supervisor is launched again
+   (launching is idempotent: the control plane may have stopped between marking it
+   starting and launching it). A running or resizing job whose supervisor is gone
+   gets a new one (see [Note: supervised supervisor]). A poll that fails (a
+   timeout) leaves the job as it is until the next tick.
 2. Admit: queued jobs in order of priority, then age. A job beyond its tenant's
    quota (ranks, GPUs) waits without holding anyone up. A job that does not fit the
    free capacity (its smallest size: min_dp replicas) lets smaller ones behind it
@@ -24,6 +25,20 @@ Each tick, in one session:
 3. Autoscale: the bundles of the jobs still queued are requested from Ray's
    autoscaler (``request_resources``), bounded by the configured cluster maximum; an
    empty queue withdraws the request, so idle nodes can be released.
+
+[Note: supervised supervisor]
+A job's supervisor can die (its process killed, the head restarted). The control
+plane notices at its next sync (the poll finds no supervisor) and, as a restart of
+the job, starts a new supervisor with the job's restart count so far plus one. The
+ranks and their placement group are detached and named after the job, so they
+outlive the lost supervisor: the new one begins in ``resizing``, finds them, waits
+until the call the old one made is over (train or save, under the watchdog), takes
+that chunk's report, saves if the old one did not, and goes on with them. Without a
+complete, answering group it removes what is left and places a new group that loads
+the newest sound checkpoint. The job keeps its stored events, logs and history; the
+positions read from the supervisor start again at 0. Only a spent restart budget
+(``max_restarts``) fails the job, as ``supervisor_lost`` (its leftover ranks
+removed).
 """
 
 from __future__ import annotations
@@ -134,13 +149,7 @@ class Scheduler:
             self._launch(session, job, JobSpec.model_validate(job.spec))  # reconcile
             return
         if snap is None:
-            store.set_status(
-                session,
-                job,
-                JobState.FAILED,
-                "supervisor_lost",
-                "the job's supervisor is gone (the cluster restarted or lost its node)",
-            )
+            self._replace_supervisor(session, job)
             return
         limits = self.settings
         store.add_events(session, job, snap["events"], limits.max_events_per_job)
@@ -162,6 +171,45 @@ class Scheduler:
             forget = getattr(self.backend, "forget", None)
             if forget is not None:
                 forget(job.id)
+
+    def _replace_supervisor(self, session: Session, job: Job) -> None:
+        """See [Note: supervised supervisor]."""
+        gone = "the job's supervisor is gone (killed, or the cluster restarted)"
+        spec = self._stored_spec(session, job)
+        if spec is None:
+            return
+        restarts = job.attempts + 1
+        if restarts > spec.max_restarts:
+            reap = getattr(self.backend, "reap", None)
+            if reap is not None:
+                reap(job.id)  # the ranks it left running
+            budget = f"restart budget of {spec.max_restarts} spent"
+            store.set_status(session, job, JobState.FAILED, "supervisor_lost", f"{gone} ({budget})")
+            return
+        store.add_event(
+            session,
+            job,
+            "restart",
+            "supervisor_lost",
+            f"{gone}: starting a new one",
+            {"restarts": restarts},
+        )
+        job.attempts, job.events_seen, job.logs_seen = restarts, 0, 0
+        job.metrics = {**(job.metrics or {}), "history_seen": 0}
+        message = "a new supervisor goes on from the newest checkpoint"
+        store.set_status(session, job, JobState.RESIZING, "supervisor_lost", message, record=False)
+        session.commit()  # version-checked: a concurrent cancel wins
+        self._relaunch(session, job, spec, restarts)
+
+    def _relaunch(self, session: Session, job: Job, spec: JobSpec, restarts: int) -> None:
+        try:
+            self.backend.launch(job.id, spec, job.checkpoint_path, restarts=restarts)
+        except Exception as exc:
+            log.warning("job %s: a new supervisor failed to start", job.id, exc_info=True)
+            text = str(exc).splitlines()[0][:300] if str(exc) else ""
+            store.set_status(
+                session, job, JobState.FAILED, "launch_failed", f"{type(exc).__name__}: {text}"
+            )
 
     # -- 2. admit ---------------------------------------------------------------------
     def admit(self, session: Session) -> list[JobSpec]:

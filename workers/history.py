@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .messages import RankChunk
+
 FIELDS = (
     "loss",
     "grad_norm",
@@ -57,13 +59,13 @@ def window(step: int, stride: int) -> int:
     return (step - 1) // stride
 
 
-def step_points(results: list[dict[str, Any]], mp: int, dp: int) -> list[dict[str, Any]]:
-    """One point per step from the ranks' ``train`` results (in rank order), oldest
-    first. See [Note: step history]."""
+def step_points(chunks: list[RankChunk], mp: int, dp: int) -> list[dict[str, Any]]:
+    """One point per step from the ranks' chunk reports, oldest first. See [Note: step
+    history]."""
     by_step: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    for rank, result in enumerate(results):
-        for report in result.get("steps", []):
-            by_step.setdefault(int(report["step"]), []).append((rank, report))
+    for chunk in chunks:
+        for report in chunk.steps:
+            by_step.setdefault(int(report["step"]), []).append((chunk.rank, report))
     points = []
     for step in sorted(by_step):
         reports = by_step[step]

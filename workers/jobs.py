@@ -7,13 +7,18 @@ from typing import Any
 
 import ray
 
+from .ray_group import reap as reap_ranks
 from .spec import JobSpec
 from .supervisor import NAMESPACE, JobSupervisor, supervisor_name
 
 
-def launch(job_id: str, spec: JobSpec, checkpoint_root: str | Path) -> Any:
+def launch(
+    job_id: str, spec: JobSpec, checkpoint_root: str | Path, restarts: int | None = None
+) -> Any:
     """Create the job's detached supervisor (or find it: launching twice is harmless)
-    and start it; returns its actor handle.
+    and start it; returns its actor handle. ``restarts``: this supervisor replaces a
+    lost one, the job having restarted that many times (this restart included); it
+    goes on from the newest checkpoint.
 
     The supervisor takes no CPU and lives on the head node, the one node whose loss
     ends the cluster anyway: losing a worker node must never take a job's supervisor
@@ -28,7 +33,7 @@ def launch(job_id: str, spec: JobSpec, checkpoint_root: str | Path) -> Any:
         max_concurrency=16,
         max_restarts=0,
         get_if_exists=True,
-    ).remote(job_id, spec.model_dump_json(), str(checkpoint_root))
+    ).remote(job_id, spec.model_dump_json(), str(checkpoint_root), restarts)
     ray.get(handle.start.remote())
     return handle
 
@@ -49,4 +54,11 @@ def stop(job_id: str, reason: str = "cancelled by request", timeout: float = 30.
     ray.get(handle.cancel.remote(reason))
     status = ray.get(handle.wait.remote(timeout))
     ray.kill(handle, no_restart=True)
+    reap(job_id)  # whatever its teardown did not reach within the timeout
     return status
+
+
+def reap(job_id: str) -> int:
+    """Remove the rank actors and placement groups a lost supervisor left (they are
+    detached, so that a new supervisor can adopt them); returns the actors killed."""
+    return reap_ranks(job_id)

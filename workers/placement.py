@@ -42,6 +42,10 @@ class Placement:
             remove_placement_group(self.group)
 
 
+def placement_name(job_id: str, dp: int) -> str:
+    return f"zeroservice-{job_id}-{dp}"
+
+
 def replicas_available(resources: ResourcesSpec) -> int:
     """Upper bound on DP replicas the cluster's free resources could hold now."""
     free = ray.available_resources()
@@ -73,7 +77,10 @@ def place(
     start = min(highest, max(lowest, free))
     for dp in range(start, lowest - 1, -1):
         pg = placement_group(
-            [bundle(resources)] * dp, strategy="SPREAD", name=f"zeroservice-{job_id}-{dp}"
+            [bundle(resources)] * dp,
+            strategy="SPREAD",
+            name=placement_name(job_id, dp),
+            lifetime="detached",  # outlives its supervisor: see [Note: supervised supervisor]
         )
         timeout = wait_s if dp == lowest else probe_s
         ready, _ = ray.wait([pg.ready()], timeout=timeout)

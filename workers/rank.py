@@ -25,6 +25,7 @@ from zeroservice.memory import process_status_kib
 
 from .build import build_dataset, build_model, optimizer_factory
 from .flops import flops_per_token, peak_tflops
+from .messages import RankChunk, RankIdle, RankProgress, RankSaved, RankSetup
 from .metrics import RankMetrics
 from .spec import JobSpec
 
@@ -68,6 +69,11 @@ class RankWorker:
         self._mp_ledgers: list[CommLedger] = []
         self.metrics_collectives: dict[tuple[str, str], dict[str, float]] = {}
         self._last: dict[str, Any] = {}
+        self.saved_step = -1
+        self._busy = threading.Lock()
+        """Held by train and save: one of them at a time, and settle() waits for it."""
+        self._setup: RankSetup | None = None
+        self._last_chunk: RankChunk | None = None
 
     # -- placement and bootstrap ---------------------------------------------------------
     def address(self) -> dict[str, Any]:
@@ -96,7 +102,7 @@ class RankWorker:
         checkpoint_root: str,
         restarts: int,
         node: str,
-    ) -> dict[str, Any]:
+    ) -> RankSetup:
         """Join the group (bounded by the bootstrap timeout), build the engine, load the
         newest valid checkpoint if there is one, start serving metrics."""
         import ray
@@ -158,19 +164,25 @@ class RankWorker:
         self._comm_start = self._comm_totals()  # start-up traffic is no step-phase's
         self._start_step = self.step
         self._phase = RankPhase.READY
-        return {
-            "rank": self.rank,
-            "dp_rank": topo.dp_rank,
-            "mp_rank": topo.mp_rank,
-            "start_step": self.step,
-            "loaded": loaded,
-            "metrics": f"{node_ip}:{metrics_port}",
-            "psi": engine.psi,
-        }
+        self._setup = RankSetup(
+            rank=self.rank,
+            dp_rank=topo.dp_rank,
+            mp_rank=topo.mp_rank,
+            start_step=self.step,
+            loaded=loaded,
+            metrics=f"{node_ip}:{metrics_port}",
+            psi=engine.psi,
+        )
+        return self._setup
 
     # -- training -------------------------------------------------------------------------
-    def train(self, until: int) -> dict[str, Any]:
+    def train(self, until: int) -> RankChunk:
         """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches)."""
+        with self._busy:
+            self._last_chunk = self._train(until)
+            return self._last_chunk
+
+    def _train(self, until: int) -> RankChunk:
         engine, spec = self.engine, self.spec
         assert engine is not None, "setup first"
         accum = engine.config.gradient_accumulation_steps
@@ -218,15 +230,17 @@ class RankWorker:
                 }
             )
         self._phase = RankPhase.IDLE
-        return {
-            "rank": self.rank,
-            "losses": losses,
-            "steps": steps,
-            "step": self.step,
-            "ledger": engine.memory_ledger().as_dict(),
-            "comm_volume_per_step": volume_per_step,
-            "tokens_per_second": tokens_per_step / seconds if seconds else 0.0,
-        }
+        return RankChunk(
+            rank=self.rank,
+            step=self.step,
+            losses=losses,
+            stats={
+                "ledger": engine.memory_ledger().as_dict(),
+                "comm_volume_per_step": volume_per_step,
+                "tokens_per_second": tokens_per_step / seconds if seconds else 0.0,
+            },
+            steps=steps,
+        )
 
     def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> int:
         """Update the rank's metrics after a step; returns its memory peak (bytes)."""
@@ -321,17 +335,34 @@ class RankWorker:
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save(self, keep: int) -> str:
+    def save(self, keep: int) -> RankSaved:
+        """Save on every rank; a save that failed (a full disk) is reported, not
+        raised: training goes on from the previous checkpoint's safety net."""
+        from zeroservice.checkpoint import SaveFailed
+
         assert self.engine is not None
-        self._phase = RankPhase.CHECKPOINT
-        path = self.engine.save_checkpoint(
-            self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
-        )
-        self._phase = RankPhase.IDLE
-        return str(path)
+        with self._busy:
+            self._phase = RankPhase.CHECKPOINT
+            try:
+                path = self.engine.save_checkpoint(
+                    self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
+                )
+            except SaveFailed as exc:
+                return RankSaved(None, str(exc))
+            finally:
+                self._phase = RankPhase.IDLE
+            self.saved_step = self.step
+            return RankSaved(str(path))
+
+    def settle(self) -> RankIdle:
+        """Wait until the call in flight (a train or save a lost supervisor asked for)
+        is over; what a new supervisor needs to adopt this rank."""
+        with self._busy:
+            assert self._setup is not None, "never set up"
+            return RankIdle(self.progress(), self._setup, self._last_chunk)
 
     # -- watchdog and stats --------------------------------------------------------------
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> RankProgress:
         """Answered while ``train`` runs (threaded actor). See workers/watchdog.py."""
         launched, last = 0, ""
         if self.engine is not None:
@@ -341,12 +372,7 @@ class RankWorker:
             if self._mp_ledgers and self._mp_ledgers[0].launched:
                 mp_last = self._mp_ledgers[0].last_launched
                 last = f"{last} (mp: {mp_last})" if last else f"mp {mp_last}"
-        return {
-            "step": self.step,
-            "phase": self._describe_phase(),
-            "collectives": launched,
-            "last_collective": last,
-        }
+        return RankProgress(self.step, self._describe_phase(), launched, last, self.saved_step)
 
     def _describe_phase(self) -> str:
         """The rank's phase; while training, the engine's state and the micro-batch

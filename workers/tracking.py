@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .history import FIELDS
 from .spec import JobSpec
@@ -63,6 +63,29 @@ def allow_file_store() -> None:
 def tensorboard_dir(checkpoint_root: str, job_id: str) -> Path:
     """Where a job's TensorBoard event files go. See [Note: tracking]."""
     return Path(checkpoint_root) / "tensorboard" / job_id
+
+
+class Tracking(Protocol):
+    """What the job's controller tells experiment tracking."""
+
+    def steps(self, points: list[dict[str, Any]]) -> None: ...
+
+    def checkpoint(self, step: int, path: str) -> None: ...
+
+    def close(self, status: str) -> None: ...
+
+
+class NoTracking:
+    """A job that tracks nothing (and the controller's tests)."""
+
+    def steps(self, points: list[dict[str, Any]]) -> None:
+        pass
+
+    def checkpoint(self, step: int, path: str) -> None:
+        pass
+
+    def close(self, status: str) -> None:
+        pass
 
 
 class Tracker:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from .messages import RankProgress
+
 
 @dataclass
 class Stall:
@@ -29,23 +31,23 @@ class Stall:
     message: str
 
 
-def _where(rank: int, p: dict | None, seen: dict | None) -> str:
+def _where(rank: int, p: RankProgress | None, seen: RankProgress | None) -> str:
     if p is None:
         if seen is None:
             return f"rank {rank}: not responding, never reported"
         return (
-            f"rank {rank}: not responding; last seen in collective #{seen['collectives']} "
-            f"{seen['last_collective'] or '-'} at step {seen['step']}"
+            f"rank {rank}: not responding; last seen in collective #{seen.collectives} "
+            f"{seen.last_collective or '-'} at step {seen.step}"
         )
     return (
-        f"rank {rank}: collective #{p['collectives']} {p['last_collective'] or '-'} "
-        f"at step {p['step']} ({p['phase']})"
+        f"rank {rank}: collective #{p.collectives} {p.last_collective or '-'} "
+        f"at step {p.step} ({p.phase})"
     )
 
 
 def diagnose(
-    progress: dict[int, dict | None],
-    last_seen: dict[int, dict],
+    progress: dict[int, RankProgress | None],
+    last_seen: dict[int, RankProgress],
     timeout_s: float,
     describe=lambda r: f"rank {r}",
 ) -> Stall:
@@ -53,13 +55,13 @@ def diagnose(
     rank's last answer. See [Note: watchdog]."""
     frozen = sorted(r for r, p in progress.items() if p is None)
     answered = {r: p for r, p in progress.items() if p is not None}
-    counts = {r: p["collectives"] for r, p in answered.items()}
+    counts = {r: p.collectives for r, p in answered.items()}
     behind: list[int] = []
     diverged: list[int] = []
     if counts:
         top = max(counts.values())
         behind = sorted(r for r, c in counts.items() if c < top)
-        at_top = {r: answered[r]["last_collective"] for r, c in counts.items() if c == top}
+        at_top = {r: answered[r].last_collective for r, c in counts.items() if c == top}
         common, _ = Counter(at_top.values()).most_common(1)[0]
         diverged = sorted(r for r, op in at_top.items() if op != common)
     if frozen:

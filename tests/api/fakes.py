@@ -33,6 +33,8 @@ class FakeBackend:
         self.used = 0.0
         self.jobs: dict[str, dict[str, Any]] = {}
         self.launched: list[str] = []
+        self.replaced: list[tuple[str, int]] = []
+        """(job, restarts) of every supervisor started in place of a lost one."""
         self.cancelled: list[str] = []
         self.requests: list[list[dict[str, float]]] = []
         self.requested: list[dict[str, float]] = []
@@ -53,24 +55,28 @@ class FakeBackend:
         need = bundle(spec.resources)["CPU"] * spec.resources.lowest_dp
         return need <= self.total["CPU"] - self.used
 
-    def launch(self, job_id: str, spec: JobSpec, checkpoint_root: str) -> None:
+    def launch(
+        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+    ) -> None:
         if job_id in self.refuse_launch:
             raise PermissionError(f"cannot create {checkpoint_root}")
         with self.lock:
             if job_id in self.jobs:
                 return  # launching is idempotent: the job's supervisor exists
             self.launched.append(job_id)
+            if restarts is not None:
+                self.replaced.append((job_id, restarts))
             cpus = bundle(spec.resources)["CPU"] * spec.resources.lowest_dp
             self.used += cpus
             self.jobs[job_id] = {
                 "cpus": cpus,
                 "status": {
-                    "status": "starting",
-                    "reason": "placing",
+                    "status": "starting" if restarts is None else "resizing",
+                    "reason": "placing" if restarts is None else "supervisor_lost",
                     "message": "placing",
                     "dp": spec.resources.lowest_dp,
                     "step": 0,
-                    "restarts": 0,
+                    "restarts": restarts or 0,
                     "checkpoint_root": checkpoint_root,
                 },
                 "events": [],
@@ -86,6 +92,11 @@ class FakeBackend:
 
         self.counted.append(spec)
         return count_parameters(spec)
+
+    def lose_supervisor(self, job_id: str) -> None:
+        """The supervisor's process dies (its ranks with it)."""
+        with self.lock:
+            self.used -= self.jobs.pop(job_id)["cpus"]
 
     def move(self, job_id: str, status: str, reason: str = "", step: int = 0, **extra) -> None:
         """What the job's supervisor would do: a status change, its event and a log line."""

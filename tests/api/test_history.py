@@ -10,6 +10,7 @@ from tests.api.conftest import Harness
 from tests.api.fakes import point
 from tests.api.test_routes import TINY
 from workers.history import StepHistory, downsample, merge, step_points
+from workers.messages import RankChunk
 
 
 @pytest.fixture
@@ -114,15 +115,15 @@ def test_step_points_combine_the_ranks_reports():
 
     # dp 2 × mp 2: ranks 0 and 2 are MP rank 0 of their replicas.
     results = [
-        {"steps": [report(1, 4.0, 0.5, 100)]},
-        {"steps": [report(1, 4.0, 0.6, 300)]},
-        {"steps": [report(1, 2.0, 0.4, 200)]},
-        {"steps": [report(1, float("inf"), 0.8, 100)]},
+        RankChunk(0, 1, {}, steps=[report(1, 4.0, 0.5, 100)]),
+        RankChunk(1, 1, {}, steps=[report(1, 4.0, 0.6, 300)]),
+        RankChunk(2, 1, {}, steps=[report(1, 2.0, 0.4, 200)]),
+        RankChunk(3, 1, {}, steps=[report(1, float("inf"), 0.8, 100)]),
     ]
     (p,) = step_points(results, mp=2, dp=2)
     assert p["loss"] == 3.0 and p["step_seconds"] == 0.8 and p["memory_peak_bytes"] == 300
     assert p["tokens_per_second"] == 64 * 2 / 0.8 and p["grad_norm"] == 2.0
-    overflow = step_points([{"steps": [report(1, float("nan"), 0.5, 1)]}], mp=1, dp=1)
+    overflow = step_points([RankChunk(0, 1, {}, steps=[report(1, float("nan"), 0.5, 1)])], 1, 1)
     assert overflow[0]["loss"] is None
 
 

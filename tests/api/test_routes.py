@@ -276,17 +276,43 @@ def test_jobs_and_events_survive_a_restart_and_running_jobs_are_reattached(datab
     second.service.engine.dispose()
 
 
-def test_a_job_whose_supervisor_vanished_fails_with_that_reason(harness):
+def test_a_job_whose_supervisor_vanished_gets_a_new_one(harness):
     c, fake = harness.client, harness.backend
     h = harness.headers(harness.tenant_token("alice"))
     job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
     harness.tick()
-    fake.move(job["id"], "running", "training", step=1)
+    for _ in range(3):
+        fake.move(job["id"], "running", "training", step=4)
+        harness.tick()
+    fake.lose_supervisor(job["id"])
     harness.tick()
-    del fake.jobs[job["id"]]
+    assert fake.replaced == [(job["id"], 1)]
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert got["status"] == "resizing" and got["attempts"] == 1
+    fake.move(job["id"], "running", "training", step=6)
+    harness.tick()  # read from the new supervisor's first event on
+    fake.move(job["id"], "succeeded", "completed", step=10)
+    harness.tick()
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert got["status"] == "succeeded" and got["step"] == 10
+    events = c.get(f"/v1/jobs/{job['id']}/events", headers=h).json()
+    lost = [e for e in events if e["reason"] == "supervisor_lost"]
+    assert [e["kind"] for e in lost] == ["restart"]
+    assert [e["reason"] for e in events].count("training") == 4  # 3 before, 1 after
+
+
+def test_a_lost_supervisor_with_the_restart_budget_spent_fails_the_job(harness):
+    c, fake = harness.client, harness.backend
+    h = harness.headers(harness.tenant_token("alice"))
+    job = c.post("/v1/jobs", json={"spec": {**TINY, "max_restarts": 1}}, headers=h).json()
+    harness.tick()
+    fake.move(job["id"], "running", "training", step=1, restarts=1)
+    harness.tick()
+    fake.lose_supervisor(job["id"])
     harness.tick()
     got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
     assert got["status"] == "failed" and got["reason"] == "supervisor_lost"
+    assert "restart budget of 1 spent" in got["message"] and fake.replaced == []
 
 
 def test_provisioned_admin_token_and_revocation(database_url, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -156,3 +157,58 @@ def export_peak(directory: str, out: str) -> int:
     base = kib("VmRSS")
     export_checkpoint(directory, out)
     return (kib("VmHWM") - base) * 1024
+
+
+def save_on_a_full_disk(spec: Spec, root: str, steps: int, full_at: int, where: str) -> dict:
+    """Save after every step; at step ``full_at`` the disk is full (ENOSPC) for
+    ``where``: rank 1's shard file (after part of it was written), rank 0's manifest,
+    or rank 0's step directory. Returns each save's outcome and what is on disk then."""
+    import errno
+
+    from zeroservice.checkpoint import SaveFailed, files, manifest
+
+    engine = engine_for(spec)
+    rank = dist.get_rank()
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_segment, real_bytes, real_fsync = (
+        save.write_segment,
+        files.atomic_write_bytes,
+        save.fsync_dir,
+    )
+
+    def segment(f, tensor):
+        if engine.global_steps == full_at and rank == 1 and where == "shard":
+            f.write(b"\0" * 64)  # part of it reached the disk
+            full()
+        return real_segment(f, tensor)
+
+    def atomic(path, data):
+        if engine.global_steps == full_at and where == "manifest":
+            with open(path.with_name(path.name + ".tmp"), "wb") as f:
+                f.write(data[:10])
+            full()
+        return real_bytes(path, data)
+
+    synced: list[str] = []
+
+    def fsync(path):
+        synced.append(str(path))
+        if engine.global_steps == full_at and where == "directory":
+            full()
+        return real_fsync(path)
+
+    save.write_segment, manifest.atomic_write_bytes, save.fsync_dir = segment, atomic, fsync
+    outcomes, listings = [], []
+    for step in range(steps):
+        _train(engine, spec, range(step, step + 1))
+        try:
+            engine.save_checkpoint(root, client_state={"next_step": step + 1}, keep=10)
+            outcomes.append("saved")
+        except SaveFailed as exc:
+            outcomes.append(f"SaveFailed: {exc}")
+        dist.barrier()
+        listings.append(sorted(p.relative_to(root).as_posix() for p in Path(root).rglob("*")))
+    return {"outcomes": outcomes, "listings": listings, "synced": synced}

@@ -121,3 +121,30 @@ def test_inspect_describes_and_verifies(three_saves):
     text = describe(dirs[-1], verify=True)
     assert "step 3" in text and "ZeRO stage 2, fp32, world 2" in text
     assert "every checksum matches" in text and "rank-00001.bin" in text
+
+
+@pytest.mark.parametrize("where", ["shard", "manifest", "directory"])
+def test_a_full_disk_fails_the_save_not_the_training(tmp_path, where):
+    """ENOSPC during step 2's save: every rank gets SaveFailed naming it, nothing of
+    that save is left (no temporary file, no step directory), step 1 stays the newest
+    sound checkpoint meanwhile, training goes on and step 3's save succeeds."""
+    results = run_local(sc.save_on_a_full_disk, 2, SPEC, str(tmp_path), 3, 2, where)
+    for r in results:
+        first, failed, retried = r["outcomes"]
+        assert first == "saved" and retried == "saved"
+        assert failed.startswith("SaveFailed: ") and "ENOSPC" in failed, failed
+        assert "the previous checkpoint stays the newest" in failed
+    after_failure = results[0]["listings"][1]
+    assert not any(".tmp" in p or p.startswith("step-00000002") for p in after_failure)
+    assert "step-00000001/manifest.json" in after_failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000003"]
+    assert _load(tmp_path)["step"] == 3
+    # The step directory's entry is made durable: its parent is fsynced after it appears.
+    assert str(tmp_path) in results[0]["synced"]
+
+
+def test_after_a_full_disk_the_previous_checkpoint_is_the_newest_sound_one(tmp_path):
+    run_local(sc.save_on_a_full_disk, 2, SPEC, str(tmp_path), 2, 2, "shard")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+    r = _load(tmp_path)
+    assert r["step"] == 1 and r["skipped"] == []

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from workers.messages import RankProgress
 from workers.watchdog import diagnose
 
 
 def _p(step, n, last, phase="reducing, micro-batch 0"):
-    return {"step": step, "phase": phase, "collectives": n, "last_collective": last}
+    return RankProgress(step=step, phase=phase, collectives=n, last_collective=last)
 
 
 def test_frozen_rank_is_named_with_where_it_was_last_seen():

@@ -3,7 +3,7 @@ streaming export. See files.py (bytes), layout.py (who holds what), manifest.py 
 commit point), save.py, load.py and export.py."""
 
 from .export import describe, export_checkpoint, iter_tensors
-from .files import CheckpointError
+from .files import CheckpointError, SaveFailed
 from .load import CheckpointMismatch, LoadResult, load_checkpoint
 from .manifest import read_manifest
 from .save import prune, save_checkpoint
@@ -18,5 +18,6 @@ __all__ = [
     "load_checkpoint",
     "prune",
     "read_manifest",
+    "SaveFailed",
     "save_checkpoint",
 ]

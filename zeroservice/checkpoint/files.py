@@ -27,6 +27,12 @@ class CheckpointError(RuntimeError):
     the file and what is wrong."""
 
 
+class SaveFailed(CheckpointError):
+    """A save that did not commit (a full disk, an I/O error) on some rank. Every rank
+    raises it; nothing of the save is left, the previous checkpoint stays the newest
+    complete one, and training may go on and save again later."""
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -38,11 +44,15 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary name, fsync, rename: readers see the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep what was half written
+        raise
     fsync_dir(path.parent)
 
 

@@ -3,11 +3,21 @@
 Stage 0 keeps whole masters on every rank, so only rank 0 writes them; at stages 1-3
 each rank writes its shards. Nothing is written twice. Parameters in the training
 dtype are not saved: they are the masters, cast.
+
+[Note: failed save]
+A save fails as a whole or commits as a whole. A rank whose write fails (ENOSPC,
+EIO) removes its temporary file and reports the error through the same all-gather
+that collects the segments, so no rank waits in a collective for one that gave up;
+rank 0 commits (writes the manifest) only when every rank wrote, and its verdict,
+shared with every rank, is the save's closing barrier. On a failure rank 0 removes
+the step directory, every rank raises SaveFailed, and the newest complete
+checkpoint is the one before: a later save tries again.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import os
 import random
 import shutil
@@ -20,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .files import CheckpointError, fsync_dir, write_segment
+from .files import CheckpointError, SaveFailed, fsync_dir, write_segment
 from .layout import held_pieces
 from .manifest import FORMAT, MANIFEST, VERSION, candidates, step_dir_name, write_manifest
 from .state import ShardedState
@@ -89,12 +99,16 @@ def write_items(path: Path, items: list[Item]) -> list[dict[str, Any]]:
     """One rank file, atomically (tmp, fsync, rename); returns its segments."""
     segments: list[dict[str, Any]] = []
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for meta, data in items:
-            segments.append(write_segment(f, data) | meta | {"file": path.name})
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for meta, data in items:
+                segments.append(write_segment(f, data) | meta | {"file": path.name})
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep what was half written
+        raise
     return segments
 
 
@@ -150,32 +164,73 @@ def check_savable(state: ShardedState, keep: int) -> None:
 def save_checkpoint(
     state: ShardedState, root: str | Path, client_state: dict[str, Any] | None = None, keep: int = 3
 ) -> Path:
-    """Write a checkpoint of ``state`` under ``root`` (every rank calls this)."""
+    """Write a checkpoint of ``state`` under ``root`` (every rank calls this).
+
+    See [Note: failed save]."""
     check_savable(state, keep)
     directory = Path(root) / step_dir_name(state.counters.global_steps)
     group, rank = state.group, state.rank
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step: un-commit first
-        fsync_dir(directory)
-    dist.barrier(group=group)
+    failure = _attempt(rank == 0, "create the step directory", lambda: _open_step(directory))
+    _agree(failure, directory, state)  # every rank goes on only once it exists
     kinds, scalars = per_element_kinds(state)
     name = f"rank-{rank:05d}.bin"
-    segments = write_rank_file(directory / name, state, kinds)
-    report = {
-        "file": name,
-        "bytes": (directory / name).stat().st_size,
-        "segments": segments,
-        "rng": rng_state(),
-    }
+    report: dict[str, Any] = {"file": name}
+    try:
+        report["segments"] = write_rank_file(directory / name, state, kinds)
+        report["bytes"] = (directory / name).stat().st_size
+        report["rng"] = rng_state()
+    except OSError as exc:
+        report["error"] = f"rank {rank}: {_oserror(exc)}"
     reports: list[Any] = [None] * state.world
     dist.all_gather_object(reports, report, group=group)
-    if rank == 0:
+    errors = [r["error"] for r in reports if "error" in r]
+    if rank == 0 and not errors:
         header = manifest_header(state, kinds, scalars, client_state)
-        write_manifest(directory, assemble(header, reports))
-        prune(Path(root), keep)
-    dist.barrier(group=group)
+        commit = lambda: write_manifest(directory, assemble(header, reports))  # noqa: E731
+        failure = _attempt(True, "commit", commit)
+        errors = [failure] if failure else []
+        if not errors:
+            prune(Path(root), keep)
+    _agree("; ".join(errors) or None, directory, state)
     return directory
+
+
+def _open_step(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step: un-commit first
+    fsync_dir(directory)
+    fsync_dir(directory.parent)  # the step directory's entry is durable too
+
+
+def _attempt(mine: bool, what: str, action) -> str | None:
+    """Run ``action`` if it is this rank's to run; an OSError becomes its description."""
+    if not mine:
+        return None
+    try:
+        action()
+    except OSError as exc:
+        return f"rank 0: {what}: {_oserror(exc)}"
+    return None
+
+
+def _oserror(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return f"{name + ': ' if name else ''}{exc.strerror or exc}"
+
+
+def _agree(failure: str | None, directory: Path, state: ShardedState) -> None:
+    """Every rank learns rank 0's verdict (this is also the save's barrier); on a
+    failure rank 0 removes the step directory and every rank raises SaveFailed."""
+    verdicts: list[Any] = [None] * state.world
+    dist.all_gather_object(verdicts, failure, group=state.group)
+    failed = verdicts[0]
+    if failed is None:
+        return
+    if state.rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    raise SaveFailed(
+        f"{directory}: save failed, the previous checkpoint stays the newest: {failed}"
+    )
 
 
 def assemble(header: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str, Any]:

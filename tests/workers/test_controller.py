@@ -1,0 +1,302 @@
+"""The supervisor's state machine, stepped one transition at a time with in-process
+scripted ranks (no Ray): success, a killed rank (shrink), capacity returned (grow),
+a stall, a training error, a failed start, cancellation, and the restart budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.jobs import tiny_job
+from tests.workers.scripted import Script, scripted_pool
+from workers.controller import JobController
+from workers.job_record import JobRecord
+from workers.job_states import (
+    Cancelled,
+    Failed,
+    Queued,
+    Resizing,
+    Running,
+    Starting,
+    Succeeded,
+    replacing_supervisor,
+)
+from workers.state import TRANSITIONS, IllegalTransition, JobState, check_transition
+
+
+def _controller(spec, pool):
+    record = JobRecord("job", spec.resources.mp, spec.steps, "/ckpt")
+    return JobController(spec, pool, record)
+
+
+def _steps(ctl, n):
+    """Step n times; the (previous, next) state classes of each."""
+    out = []
+    for _ in range(n):
+        previous, following = ctl.step()
+        out.append((type(previous), type(following)))
+    return out
+
+
+def _events(ctl, kind):
+    return [e for e in ctl.record.events_since(0) if e["kind"] == kind]
+
+
+def test_a_job_runs_chunk_by_chunk_to_success():
+    script = Script()
+    ctl = _controller(tiny_job(steps=8), scripted_pool(script, capacity=2))
+    assert isinstance(ctl.state, Queued)
+    assert _steps(ctl, 4) == [
+        (Queued, Starting),
+        (Starting, Running),
+        (Running, Running),  # steps 1-4, saved at 4
+        (Running, Succeeded),  # steps 5-8, saved at 8
+    ]
+    assert ctl.state.is_terminal and ctl.record.status == JobState.SUCCEEDED
+    assert sorted(ctl.record.losses) == list(range(1, 9))
+    assert [e["step"] for e in _events(ctl, "checkpoint")] == [4, 8]
+    statuses = [e["reason"] for e in _events(ctl, "status")]
+    assert statuses == ["placing", "training", "completed"]
+    assert ctl.record.restarts == 0 and ctl.pool.used == 0
+
+
+def test_a_killed_rank_restarts_smaller_from_the_checkpoint():
+    script = Script(kill={(1, 1, 6)})
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)  # its replica's node is gone
+    spec = tiny_job(steps=12, resources={"dp": 2, "min_dp": 1, "max_dp": 2})
+    ctl = _controller(spec, pool)
+    assert _steps(ctl, 4)[2:] == [(Running, Running), (Running, Resizing)]
+    assert ctl.state.reason == "worker_lost"
+    (restart,) = _events(ctl, "restart")
+    assert restart["ranks"] == [1] and "lost rank 1 (dp 1, mp 0" in restart["message"]
+    assert _steps(ctl, 1) == [(Resizing, Running)]
+    assert ctl.group.dp == 1 and ctl.record.step == 4
+    (shrunk,) = _events(ctl, "resize")
+    assert shrunk["reason"] == "shrunk" and shrunk["dp_from"] == 2
+    placed = _events(ctl, "placed")[1]
+    assert "from checkpoint step-00000004 at step 4" in placed["message"]
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 1
+    assert sorted(ctl.record.losses) == list(range(1, 13))
+
+
+def test_returned_capacity_grows_the_job_at_a_checkpoint_boundary():
+    script = Script()
+    pool = scripted_pool(script, capacity=1)
+    script.on_save = lambda step: setattr(pool, "capacity", 2) if step == 4 else None
+    spec = tiny_job(steps=12, resources={"dp": 2, "min_dp": 1, "max_dp": 2})
+    ctl = _controller(spec, pool)
+    assert _steps(ctl, 4) == [
+        (Queued, Starting),
+        (Starting, Running),
+        (Running, Resizing),
+        (Resizing, Running),
+    ]
+    (grown,) = _events(ctl, "resize")
+    assert grown["reason"] == "grown" and ctl.group.dp == 2
+    assert not _events(ctl, "restart")  # growing costs no restart
+    assert ctl.run() == Succeeded(message="12 steps")
+    assert ctl.record.restarts == 0
+
+
+def test_a_frozen_rank_is_a_stall_that_spends_the_budget():
+    script = Script(freeze={(1, 1, 2)})
+    spec = tiny_job(steps=8, max_restarts=0, timeouts={"bootstrap_s": 60, "step_s": 0.4})
+    ctl = _controller(spec, scripted_pool(script, capacity=2))
+    assert _steps(ctl, 3)[-1] == (Running, Failed)
+    assert ctl.state.reason == "stalled"
+    assert "restart budget of 0 spent" in ctl.state.message
+    (stall,) = _events(ctl, "restart")
+    assert stall["reason"] == "stalled" and stall["ranks"] == [1]
+    assert "not responding" in stall["message"]
+    assert ctl.pool.used == 0  # the group was torn down
+
+
+def test_a_stall_within_the_budget_restarts():
+    script = Script(freeze={(1, 0, 6)})
+    spec = tiny_job(steps=8, timeouts={"bootstrap_s": 60, "step_s": 0.4})
+    ctl = _controller(spec, scripted_pool(script, capacity=2))
+    assert _steps(ctl, 5)[2:] == [(Running, Running), (Running, Resizing), (Resizing, Running)]
+    assert ctl.run() == Succeeded(message="8 steps")
+    assert ctl.record.restarts == 1
+
+
+def test_the_restart_budget_spent_fails_the_job():
+    script = Script(kill={(1, 0, 2), (2, 1, 3)})
+    spec = tiny_job(steps=8, max_restarts=1)
+    ctl = _controller(spec, scripted_pool(script, capacity=2))
+    assert _steps(ctl, 5)[1:] == [
+        (Starting, Running),
+        (Running, Resizing),  # first loss: restart 1 of 1
+        (Resizing, Running),
+        (Running, Failed),  # second loss: budget spent
+    ]
+    assert ctl.state.reason == "worker_lost"
+    assert "(restart budget of 1 spent)" in ctl.state.message
+    assert ctl.record.restarts == 2 and ctl.record.status == JobState.FAILED
+
+
+def test_a_training_error_fails_the_job_without_a_restart():
+    script = Script(error={(1, 1, 3)})
+    ctl = _controller(tiny_job(steps=8), scripted_pool(script, capacity=2))
+    assert _steps(ctl, 3)[-1] == (Running, Failed)
+    assert ctl.state.reason == "training_error"
+    assert "rank 1: ValueError: loss is nan at step 3" in ctl.state.message
+    assert ctl.record.restarts == 0
+
+
+def test_a_failed_start_counts_a_restart_and_tries_again():
+    script = Script(fail_setup={1})
+    ctl = _controller(tiny_job(steps=4), scripted_pool(script, capacity=2))
+    assert _steps(ctl, 3) == [(Queued, Starting), (Starting, Resizing), (Resizing, Running)]
+    (restart,) = _events(ctl, "restart")
+    assert restart["reason"] == "bootstrap_failed"
+    assert "the rendezvous timed out" in restart["message"]
+    assert ctl.run() == Succeeded(message="4 steps")
+
+
+def test_a_full_disk_fails_the_save_not_the_job():
+    script = Script(full_disk={4}, kill={(1, 0, 10)})
+    spec = tiny_job(steps=12, checkpoint={"interval_steps": 4})
+    ctl = _controller(spec, scripted_pool(script, capacity=2))
+    assert _steps(ctl, 4)[2:] == [(Running, Running), (Running, Running)]
+    saves = [(e["reason"], e["step"]) for e in _events(ctl, "checkpoint")]
+    assert saves == [("save_failed", 4), ("saved", 8)]  # the next save tried again
+    assert "ENOSPC" in _events(ctl, "checkpoint")[0]["message"]
+    assert ctl.state.failed_saves == 0 and ctl.record.restarts == 0
+    ctl.run()  # a rank lost at step 10 restarts from step 8, the newest sound one
+    assert _events(ctl, "placed")[1]["from_checkpoint"] == "step-00000008"
+    assert ctl.record.status == JobState.SUCCEEDED
+
+
+def test_the_final_save_is_tried_again_then_fails_the_job():
+    script = Script(full_disk={4})
+    ctl = _controller(tiny_job(steps=4), scripted_pool(script, capacity=2))
+    assert _steps(ctl, 5)[2:] == [(Running, Running), (Running, Running), (Running, Failed)]
+    assert ctl.state.reason == "checkpoint_failed"
+    assert "the final checkpoint failed 3 times" in ctl.state.message
+    assert [e["reason"] for e in _events(ctl, "checkpoint")] == ["save_failed"] * 3
+    assert script.trained.count((1, 0, 4)) == 1  # the steps were not trained again
+
+
+def test_the_final_save_succeeds_on_a_retry():
+    script = Script(full_disk={4})
+    pool = scripted_pool(script, capacity=2)
+    ctl = _controller(tiny_job(steps=4), pool)
+    _steps(ctl, 3)
+    script.full_disk.clear()  # space was freed
+    assert _steps(ctl, 1) == [(Running, Succeeded)]
+    assert [e["reason"] for e in _events(ctl, "checkpoint")] == ["save_failed", "saved"]
+
+
+def test_no_room_fails_the_job_with_what_is_free():
+    ctl = _controller(tiny_job(), scripted_pool(Script(), capacity=1))
+    assert _steps(ctl, 2)[-1] == (Starting, Failed)
+    assert ctl.state.reason == "insufficient_resources"
+    assert "free now: 1 replica(s)" in ctl.state.message
+
+
+@pytest.mark.parametrize("after", [1, 2])
+def test_cancel_while_starting_or_running(after):
+    ctl = _controller(tiny_job(steps=100), scripted_pool(Script(), capacity=2))
+    _steps(ctl, after)
+    ctl.request_cancel("stopped by alice")
+    previous, following = ctl.step()
+    assert following == Cancelled(message="stopped by alice")
+    assert ctl.record.status == JobState.CANCELLED and ctl.pool.used == 0
+    assert ctl.record.finished_at is not None
+
+
+def test_an_unexpected_error_fails_the_job_and_frees_the_group():
+    ctl = _controller(tiny_job(steps=8), scripted_pool(Script(), capacity=2))
+    _steps(ctl, 2)
+    ctl.state.group.begin = None  # a bug in the controller's own code path
+    assert _steps(ctl, 1) == [(Running, Failed)]
+    assert ctl.state.reason == "internal_error" and "TypeError" in ctl.state.message
+    assert ctl.pool.used == 0
+
+
+def test_a_replacement_supervisor_goes_on_from_the_newest_checkpoint():
+    script = Script(saved=8)  # what the lost supervisor's job had saved
+    spec = tiny_job(steps=12, max_restarts=1)
+    record = JobRecord("job", 1, spec.steps, "/ckpt")
+    record.restarts = 1  # counted by the control plane
+    ctl = JobController(spec, scripted_pool(script, 2), record, initial=replacing_supervisor(1))
+    assert record.status == JobState.RESIZING and record.reason == "supervisor_lost"
+    assert _steps(ctl, 2) == [(Resizing, Running), (Running, Succeeded)]
+    assert _events(ctl, "placed")[0]["from_checkpoint"] == "step-00000008"
+    assert sorted(record.losses) == [9, 10, 11, 12] and record.restarts == 1
+
+
+def _orphan(script, pool, trained_to):
+    """The group a lost supervisor left: set up, trained to ``trained_to``, saved at
+    the step before the last chunk."""
+    placement = pool.place(2, 2, 60)
+    group = pool.start(placement, 0)
+    for rank in group.ranks:
+        rank.train(trained_to - 4)
+        rank.save(2)
+        rank.train(trained_to)  # its supervisor died before the save
+    pool.orphan = group
+    return group
+
+
+def _replacement(spec, pool):
+    record = JobRecord("job", 1, spec.steps, "/ckpt")
+    record.restarts = 1
+    return JobController(spec, pool, record, initial=replacing_supervisor(1))
+
+
+def test_a_replacement_supervisor_adopts_the_running_ranks():
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    orphan = _orphan(script, pool, trained_to=8)
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool)
+    assert _steps(ctl, 1) == [(Resizing, Running)]
+    assert ctl.group is orphan and ctl.state.save_first and ctl.record.step == 4
+    (adopted,) = _events(ctl, "placed")
+    assert adopted["reason"] == "adopted" and "at step 8" in adopted["message"]
+    assert _steps(ctl, 1) == [(Running, Running)]  # the save the lost supervisor missed
+    assert [e["step"] for e in _events(ctl, "checkpoint")] == [8] and ctl.record.step == 8
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and pool.attempts == 1  # no new group
+    assert sorted(ctl.record.losses) == list(range(5, 13))  # the lost chunk's included
+    # One point per step, the lost chunk's included.
+    assert [h["step"] for h in ctl.record.history_since(0)[0]] == list(range(5, 13))
+
+
+def test_a_replacement_supervisor_falls_back_on_the_checkpoint_without_its_ranks():
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    orphan = _orphan(script, pool, trained_to=8)
+    orphan._gone.add(1)  # one of them died with the supervisor's node
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool)
+    assert _steps(ctl, 1) == [(Resizing, Running)]
+    assert ctl.group is not orphan and pool.attempts == 2
+    (placed,) = _events(ctl, "placed")
+    assert placed["reason"] == "started" and placed["from_checkpoint"] == "step-00000004"
+    assert ctl.record.restarts == 1  # the control plane counted this restart
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED
+
+
+def test_the_transition_graph():
+    for state, successors in TRANSITIONS.items():
+        assert state.is_terminal == (not successors)
+    assert JobState.RUNNING.can_become(JobState.RUNNING)
+    assert not JobState.STARTING.can_become(JobState.SUCCEEDED)
+    with pytest.raises(IllegalTransition, match="from succeeded to running"):
+        check_transition(JobState.SUCCEEDED, JobState.RUNNING)
+    assert set(TRANSITIONS) == set(JobState)
+
+
+def test_callbacks_see_every_move():
+    ctl = _controller(tiny_job(steps=4), scripted_pool(Script(), capacity=2))
+    seen = []
+    ctl.callbacks.append(lambda a, b: seen.append((a.kind, b.kind)))
+    ctl.run()
+    assert seen == [
+        (JobState.QUEUED, JobState.STARTING),
+        (JobState.STARTING, JobState.RUNNING),
+        (JobState.RUNNING, JobState.SUCCEEDED),
+    ]

@@ -1,0 +1,94 @@
+"""The supervisor is supervised: its process killed on a real local Ray, the control
+plane's next sync starts a new one, which adopts the ranks still running (or, when
+one of them died too, goes on from the newest checkpoint); the job succeeds with
+every step."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+SPEC = {
+    "name": "supervised",
+    "model": {"vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32},
+    "engine": {"stage": 2, "bucket_elements": 4096},
+    "steps": 24,
+    "micro_batch": 2,
+    "resources": {"dp": 2, "cpus_per_rank": 1},
+    "checkpoint": {"interval_steps": 4},
+    "timeouts": {"bootstrap_s": 60, "step_s": 60},
+    "max_restarts": 1,
+}
+
+
+def _harness(tmp_path):
+    from api.backend import RayBackend
+    from tests.api.conftest import Harness
+
+    h = Harness(f"sqlite:///{tmp_path / 'store.db'}", tmp_path / "data", backend=RayBackend())
+    return h, h.headers(h.tenant_token("alice"))
+
+
+def _run_and_kill(ray, tmp_path, also_kill_rank: bool):
+    """Submit, wait for the first checkpoint, SIGKILL the supervisor's process (and
+    with ``also_kill_rank`` rank 1's), tick until the job ends; its end and events."""
+    from workers.jobs import attach
+
+    h, auth = _harness(tmp_path)
+    job_id = h.client.post("/v1/jobs", json={"spec": SPEC}, headers=auth).json()["id"]
+
+    def job():
+        h.tick()
+        return h.client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+
+    wait_for(lambda: job()["step"] >= 4, 180, "the first checkpoint", job)
+    first = attach(job_id)
+    victims = [ray.get(first.process_id.remote())]
+    if also_kill_rank:
+        victims.append(ray.get(first.ranks.remote())[1]["pid"])
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    done = wait_for(
+        lambda: (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job()),
+        300,
+        "the job to end",
+        job,
+    )
+    events = h.client.get(f"/v1/jobs/{job_id}/events?limit=1000", headers=auth).json()
+    history = h.client.get(f"/v1/jobs/{job_id}/metrics", headers=auth).json()["history"]
+    h.client.close()
+    h.service.engine.dispose()
+    return done, events, history
+
+
+def _after_loss(events):
+    lost = [i for i, e in enumerate(events) if e["reason"] == "supervisor_lost"]
+    assert events[lost[0]]["kind"] == "restart"
+    return [e for e in events[lost[0] :] if e["kind"] == "placed"]
+
+
+def test_a_killed_supervisor_is_replaced_and_adopts_the_running_ranks(local_ray, tmp_path):
+    done, events, history = _run_and_kill(local_ray, tmp_path, also_kill_rank=False)
+    assert done["status"] == "succeeded", done
+    assert done["step"] == 24 and done["attempts"] == 1
+    placed = _after_loss(events)
+    assert [e["reason"] for e in placed] == ["adopted"], placed
+    # Every step's point reached the store, the chunk in flight at the kill included.
+    assert [h["step"] for h in history] == list(range(1, 25))
+
+
+def test_without_its_ranks_the_new_supervisor_goes_on_from_the_checkpoint(local_ray, tmp_path):
+    done, events, _ = _run_and_kill(local_ray, tmp_path, also_kill_rank=True)
+    assert done["status"] == "succeeded", done
+    assert done["step"] == 24 and done["attempts"] == 1
+    placed = _after_loss(events)
+    assert placed[0]["reason"] == "started" and "from checkpoint" in placed[0]["message"]
+    assert placed[0]["data"]["step"] >= 4
+    named = local_ray.util.list_named_actors(all_namespaces=True)
+    assert not [a for a in named if a["name"].startswith("zeroservice-rank-")]  # none left

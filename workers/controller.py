@@ -1,0 +1,398 @@
+"""The supervisor's control loop as a state machine that can be stepped.
+
+[Note: supervised job]
+Each ``step()`` does the work of the current state and moves to the next, returning
+(previous, next); ``run()`` steps until a terminal state. The states (workers/
+job_states.py) and the allowed moves (workers.state.TRANSITIONS):
+
+    queued    → starting
+    starting  place the largest group of min_dp..max_dp replicas that fits now and
+    resizing  start its ranks (each loads the newest valid checkpoint, resharded to
+              the new N_d) → running; nothing fits → failed; a start that fails
+              counts a restart → resizing (or failed, the budget spent)
+    running   one chunk: train up to the next checkpoint boundary while the watchdog
+              polls every rank, then every rank saves → running (next chunk) |
+              succeeded (all steps) | resizing (capacity returned: at a checkpoint
+              boundary, grow up to max_dp) | resizing (a lost worker or a stall:
+              counts a restart; down to min_dp) | failed (a training error, the
+              restart budget spent) | cancelled. A save that failed (a full disk)
+              is an event and the job goes on: running, the next save tries again
+              (after the last step, the save alone, up to FINAL_SAVE_TRIES times)
+
+Every move passes ``check_transition`` and then the callbacks (the job record's
+status is one); every restart, resize, placement and checkpoint is an event.
+The ranks are reached only through a WorkerPool/WorkerGroup (workers/worker_group.py),
+so the unit tests step the machine with in-process ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .history import step_points
+from .job_record import JobRecord
+from .job_states import Cancelled, Failed, Queued, Resizing, Running, Starting, State, Succeeded
+from .messages import RankChunk, RankProgress
+from .spec import JobSpec
+from .state import check_transition
+from .tracking import NoTracking, Tracking
+from .watchdog import diagnose
+from .worker_group import (
+    GroupStartFailed,
+    RankDied,
+    RankError,
+    WorkerGroup,
+    WorkerPool,
+    describe_rank,
+)
+
+Callback = Callable[[State, State], None]
+FINAL_SAVE_TRIES = 3
+"""How often the checkpoint after the last step is tried before the job fails."""
+
+
+class Interruption(enum.Enum):
+    """Why a call on the ranks did not finish on every rank."""
+
+    CANCELLED = "cancelled"
+    LOST = "worker_lost"
+    STALLED = "stalled"
+    ERROR = "training_error"
+
+
+@dataclass
+class Interrupted:
+    why: Interruption
+    message: str = ""
+    ranks: list[int] = field(default_factory=list)
+
+
+class JobController:
+    """See [Note: supervised job]."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        pool: WorkerPool,
+        record: JobRecord,
+        cancel: threading.Event | None = None,
+        initial: State | None = None,
+        tracker: Tracking | None = None,
+    ):
+        self.spec, self.pool, self.record = spec, pool, record
+        self.tracker: Tracking = tracker or NoTracking()
+        """Experiment tracking (workers/tracking.py): per-step points, checkpoints, the
+        run's end."""
+        self.cancel = cancel or threading.Event()
+        self.cancel_reason = "cancelled by request"
+        self.state: State = initial or Queued()
+        self.callbacks: list[Callback] = [self._record_status, self._end_tracking]
+        if initial is not None:  # a machine that begins elsewhere (a replaced supervisor)
+            record.set_status(initial.kind, initial.reason, initial.message)
+
+    # -- stepping ---------------------------------------------------------------------
+    def step(self) -> tuple[State, State]:
+        previous = self.state
+        try:
+            following = self._next(previous)
+        except Exception:
+            self._teardown(previous, clean=False)
+            following = Failed(reason="internal_error", message=traceback.format_exc(limit=8))
+        check_transition(previous.kind, following.kind)
+        self.state = following
+        for callback in self.callbacks:
+            callback(previous, following)
+        return previous, following
+
+    def run(self) -> State:
+        while not self.state.is_terminal:
+            self.step()
+        return self.state
+
+    def request_cancel(self, reason: str) -> None:
+        self.cancel_reason = reason
+        self.cancel.set()
+
+    @property
+    def group(self) -> WorkerGroup | None:
+        return self.state.group if isinstance(self.state, Running) else None
+
+    def _next(self, state: State) -> State:
+        if isinstance(state, Queued):
+            res = self.spec.resources
+            return Starting(message=f"asking Ray for {res.lowest_dp}-{res.highest_dp} replicas")
+        if isinstance(state, Resizing) and state.adopt:
+            adopted = self._adopt()
+            if adopted is not None:
+                return adopted
+        if isinstance(state, Starting | Resizing):
+            return self._place()
+        if isinstance(state, Running):
+            return self._chunk(state)
+        raise AssertionError(f"no step from {state}")
+
+    def _record_status(self, previous: State, following: State) -> None:
+        self.record.set_status(following.kind, following.reason, following.message)
+
+    def _end_tracking(self, previous: State, following: State) -> None:
+        if following.is_terminal:
+            self.tracker.close(str(following.kind))
+
+    def _teardown(self, state: State, clean: bool) -> None:
+        if isinstance(state, Running):
+            state.group.shutdown(clean)
+
+    # -- starting and resizing ----------------------------------------------------------
+    def _place(self) -> State:
+        spec, res = self.spec, self.spec.resources
+        if self.cancel.is_set():
+            return self._cancelled()
+        placement = self.pool.place(res.lowest_dp, res.highest_dp, spec.timeouts.bootstrap_s)
+        if placement is None:
+            from .placement import bundle
+
+            return Failed(
+                reason="insufficient_resources",
+                message=f"no room for {res.lowest_dp} replica(s) of {bundle(res)} each within "
+                f"{spec.timeouts.bootstrap_s:g} s (free now: {self.pool.free()})",
+            )
+        self._note_size(placement.dp)
+        try:
+            group = self.pool.start(placement, self.record.restarts)
+        except GroupStartFailed as failure:
+            return self._restart("bootstrap_failed", failure.message)
+        return self._started(group)
+
+    def _adopt(self) -> State | None:
+        """Go on with the ranks a lost supervisor left, once the call it made is over;
+        None (the group torn down) when there are none or they do not settle."""
+        group = self.pool.adopt()
+        if group is None:
+            return None
+        stop, idle = self._watch(group, "settle")
+        steps = {i.progress.step for i in idle if i is not None}
+        if stop is not None or len(steps) != 1:
+            group.shutdown(clean=False)
+            return self._cancelled() if self.cancel.is_set() else None
+        group.setups = [i.setup for i in idle]
+        (step,) = steps
+        saved = idle[0].progress.saved_step
+        self._note_size(group.dp)
+        with self.record.lock:
+            self.record.step = max(saved, group.setups[0].start_step)
+        chunks = [i.last_chunk for i in idle if i.last_chunk is not None]
+        if len(chunks) == group.world:  # the chunk whose report the lost supervisor missed
+            self.record.add_chunk(chunks, {})
+            self._add_points(chunks, group.dp)
+        mp = self.spec.resources.mp
+        self.record.event(
+            "placed",
+            "adopted",
+            f"{group.world} running ranks (dp {group.dp} × mp {mp}) at step {step}",
+            ranks=[
+                {"rank": r, "node": f"{a['ip']}/{a['node_id'][:8]}", "gpus": a["gpus"]}
+                for r, a in enumerate(group.addresses)
+            ],
+        )
+        unsaved = step > self.record.step  # trained, not yet saved: save before going on
+        return Running(
+            group=group, step=step, message=f"dp {group.dp} × mp {mp}", save_first=unsaved
+        )
+
+    def _note_size(self, dp: int) -> None:
+        previous = self.record.dp
+        with self.record.lock:
+            self.record.dp = dp
+        if previous and previous != dp:
+            self.record.event(
+                "resize",
+                "shrunk" if dp < previous else "grown",
+                f"data-parallel degree {previous} -> {dp}",
+                dp_from=previous,
+            )
+
+    def _started(self, group: WorkerGroup) -> State:
+        mp = self.spec.resources.mp
+        first = group.setups[0]
+        with self.record.lock:
+            self.record.step = first.start_step
+        origin = (
+            f"checkpoint {first.loaded} at step {first.start_step}" if first.loaded else "scratch"
+        )
+        self.record.event(
+            "placed",
+            "started",
+            f"{group.world} ranks (dp {group.dp} × mp {mp}) from {origin}",
+            from_checkpoint=first.loaded,
+            ranks=[
+                {"rank": r, "node": f"{a['ip']}/{a['node_id'][:8]}", "gpus": a["gpus"]}
+                for r, a in enumerate(group.addresses)
+            ],
+        )
+        return Running(group=group, step=first.start_step, message=f"dp {group.dp} × mp {mp}")
+
+    def _restart(self, reason: str, message: str, ranks: list[int] | None = None) -> State:
+        """A restart from the newest checkpoint; failed when the budget is spent."""
+        with self.record.lock:
+            self.record.restarts += 1
+            restarts = self.record.restarts
+        self.record.event("restart", reason, message, ranks=ranks or [], restarts=restarts)
+        if restarts > self.spec.max_restarts:
+            budget = self.spec.max_restarts
+            return Failed(reason=reason, message=f"{message} (restart budget of {budget} spent)")
+        return Resizing(reason=reason, message=f"restarting from the newest checkpoint: {message}")
+
+    def _cancelled(self) -> State:
+        return Cancelled(message=self.cancel_reason)
+
+    # -- running: one chunk -----------------------------------------------------------------
+    def _chunk(self, state: Running) -> State:
+        spec, group, step = self.spec, state.group, state.step
+        if state.save_first:
+            return self._save(state, step)
+        if step >= spec.steps and not state.failed_saves:
+            return self._succeeded(group)
+        if step < spec.steps:
+            interval = spec.checkpoint.interval_steps
+            target = min(spec.steps, (step // interval + 1) * interval)
+            t0 = time.monotonic()
+            stop, chunks = self._watch(group, "train", target)
+            if stop is not None:
+                return self._interrupted(group, stop)
+            self.record.add_chunk(chunks, group.stats())
+            self._add_points(chunks, group.dp)
+            self._progress_line(step, target, time.monotonic() - t0)
+            step = target
+        return self._save(state, step)
+
+    def _save(self, state: Running, step: int) -> State:
+        """Every rank saves. A failed save (a full disk) is an event, not a failure: the
+        next chunk's save tries again; after the last step it is tried again up to
+        ``FINAL_SAVE_TRIES`` times. See [Note: failed save]."""
+        spec, group = self.spec, state.group
+        stop, saves = self._watch(group, "save", spec.checkpoint.keep)
+        if stop is not None:
+            return self._interrupted(group, stop)
+        failed = [s.error for s in saves if s.error]
+        if failed:
+            self.record.event("checkpoint", "save_failed", f"step {step}: {failed[0]}", step=step)
+            tries = state.failed_saves + 1
+            if step >= spec.steps and tries >= FINAL_SAVE_TRIES:
+                group.shutdown(clean=False)
+                return Failed(
+                    reason="checkpoint_failed",
+                    message=f"the final checkpoint failed {tries} times: {failed[0]}",
+                )
+            return Running(group=group, step=step, message=state.message, failed_saves=tries)
+        path = saves[0].path
+        with self.record.lock:
+            self.record.step = step
+        self.record.event("checkpoint", "saved", f"step {step}: {path}", path=path)
+        if path is not None:
+            self.tracker.checkpoint(step, path)
+        if step >= spec.steps:
+            return self._succeeded(group)
+        more = self._room_to_grow(group.dp)
+        if more > 0:
+            group.shutdown(clean=False)
+            return Resizing(
+                reason="capacity_returned",
+                message=f"room for {more} more replica(s): growing from the checkpoint",
+            )
+        return Running(group=group, step=step, message=state.message)
+
+    def _succeeded(self, group: WorkerGroup) -> State:
+        group.shutdown(clean=True)
+        return Succeeded(message=f"{self.spec.steps} steps")
+
+    def _room_to_grow(self, dp: int) -> int:
+        highest = self.spec.resources.highest_dp
+        if dp >= highest:
+            return 0
+        return min(highest - dp, self.pool.available())
+
+    def _progress_line(self, step: int, target: int, seconds: float) -> None:
+        spec = self.spec
+        accum = spec.zero_config().gradient_accumulation_steps
+        dp = self.record.dp
+        tokens = (target - step) * spec.micro_batch * accum * spec.model.seq_len * dp
+        rate = tokens / seconds if seconds > 0 else 0.0
+        loss = self.record.loss_at(target)
+        shown = "-" if loss is None else f"{loss:.4f}"
+        self.record.line(f"step {target}/{spec.steps} loss {shown} {rate:,.0f} tokens/s dp {dp}")
+
+    def _add_points(self, chunks: list[RankChunk], dp: int) -> None:
+        """The chunk's per-step history, kept and sent to experiment tracking."""
+        points = step_points(chunks, self.spec.resources.mp, dp)
+        self.record.add_points(points)
+        self.tracker.steps(points)
+
+    def _interrupted(self, group: WorkerGroup, stop: Interrupted) -> State:
+        group.shutdown(clean=False)
+        if stop.why is Interruption.CANCELLED:
+            return self._cancelled()
+        if stop.why is Interruption.ERROR:
+            return Failed(reason=stop.why.value, message=stop.message)
+        return self._restart(stop.why.value, stop.message, ranks=stop.ranks)
+
+    # -- watching a call on every rank ---------------------------------------------------
+    def _watch(
+        self, group: WorkerGroup, method: str, *args: Any
+    ) -> tuple[Interrupted | None, list]:
+        """Wait for ``method`` on every rank, polling progress. See [Note: watchdog]."""
+        timeout = self.spec.timeouts.step_s
+        poll = max(0.2, min(2.0, timeout / 4))
+        group.begin(method, *args)
+        results: list[Any] = [None] * group.world
+        pending = set(range(group.world))
+        last_change = dict.fromkeys(pending, time.monotonic())
+        previous: dict[int, tuple] = {}
+        last_seen: dict[int, RankProgress] = {}
+        while pending:
+            if self.cancel.is_set():
+                return Interrupted(Interruption.CANCELLED), results
+            for rank, answer in sorted(group.wait(poll).items()):
+                pending.discard(rank)
+                if isinstance(answer, RankDied):
+                    return self._lost(group, [rank], answer.message), results
+                if isinstance(answer, RankError):
+                    dead = group.dead()
+                    if dead:
+                        return self._lost(group, dead, answer.message), results
+                    return Interrupted(
+                        Interruption.ERROR, f"rank {rank}: {answer.message}", [rank]
+                    ), results
+                results[rank] = answer
+            if not pending:
+                break
+            waiting = sorted(pending)
+            answers = group.progress(waiting, min(2.0, timeout))
+            now = time.monotonic()
+            for r, p in answers.items():
+                if p is not None:
+                    last_seen[r] = p
+                    if previous.get(r) != p.key:
+                        previous[r], last_change[r] = p.key, now
+            if any(now - last_change[r] > timeout for r in waiting):
+                dead = group.dead()
+                if dead:
+                    return self._lost(group, dead, ""), results
+                stall = diagnose(answers, last_seen, timeout, describe=self._describer(group))
+                return Interrupted(Interruption.STALLED, stall.message, stall.stalled), results
+        return None, results
+
+    def _describer(self, group: WorkerGroup) -> Callable[[int], str]:
+        mp = self.spec.resources.mp
+        return lambda r: describe_rank(r, mp, group.addresses[r] if group.addresses else None)
+
+    def _lost(self, group: WorkerGroup, ranks: list[int], detail: str) -> Interrupted:
+        names = ", ".join(self._describer(group)(r) for r in ranks)
+        return Interrupted(
+            Interruption.LOST, f"lost {names}" + (f": {detail}" if detail else ""), ranks
+        )

@@ -1,0 +1,127 @@
+"""Typed messages between the ranks, the supervisor and the control plane.
+
+Ray pickles dataclasses as they are, so ranks answer the supervisor with these
+objects; what crosses to the control plane (and into its store as JSON) is
+``as_dict()`` of them, the same keys as before these types existed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """A rank's answer to the watchdog's poll (see [Note: watchdog])."""
+
+    step: int
+    """Optimizer steps done."""
+    phase: str
+    """What the rank is doing: created, bootstrap, ready, forward m, backward m, step,
+    checkpoint, idle."""
+    collectives: int
+    """Collectives launched so far (engine and tensor-parallel groups)."""
+    last_collective: str = ""
+    """The last one, ``op/tag``."""
+    saved_step: int = -1
+    """The step of the rank's newest checkpoint save (-1: none since it started)."""
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        """What must change for the rank to count as making progress."""
+        return (self.step, self.phase, self.collectives)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a rank reports once it joined the group and built its engine."""
+
+    rank: int
+    dp_rank: int
+    mp_rank: int
+    start_step: int
+    """The step it resumes from (0 without a checkpoint)."""
+    loaded: str | None
+    """The checkpoint it loaded, if any."""
+    metrics: str = ""
+    """``host:port`` of its Prometheus endpoint."""
+    psi: int = 0
+
+
+@dataclass(frozen=True)
+class RankChunk:
+    """A rank's report after a chunk of optimizer steps."""
+
+    rank: int
+    step: int
+    losses: dict[int, float]
+    """Per step: the mean loss of this rank's micro-batches."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """The ledger, the communication volume per step, tokens/s."""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    """Each step's report: loss, grad_norm, loss_scale, lr, seconds, tokens, peak_bytes
+    (workers/history.py makes the job's points of them)."""
+
+
+@dataclass(frozen=True)
+class RankSaved:
+    """A rank's answer to a save: the committed directory, or why the save failed
+    (every rank of a data-parallel group reports the same failure)."""
+
+    path: str | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RankIdle:
+    """A rank with no call in flight, as a new supervisor finds it (see [Note:
+    supervised supervisor] in api/scheduler.py)."""
+
+    progress: RankProgress
+    setup: RankSetup
+    last_chunk: RankChunk | None
+    """The report of its last chunk (its caller may have been lost)."""
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """The supervisor's view of its job, as the control plane stores it."""
+
+    job_id: str
+    status: str
+    reason: str
+    message: str
+    dp: int
+    mp: int
+    workers: int
+    step: int
+    steps: int
+    restarts: int
+    events: int
+    started_at: str | None
+    finished_at: str | None
+    checkpoint_root: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """Everything the control plane syncs in one poll: what is new since the positions
+    it has seen."""
+
+    status: JobStatus
+    events: list[dict[str, Any]]
+    logs: list[str]
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]]
+    history_total: int
+    """The next history position."""
+    targets: list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["status"] = self.status.as_dict()
+        return out

@@ -1,0 +1,239 @@
+"""The worker group on Ray: one placement group per attempt, one rank actor per rank
+(see [Note: placement]), Ray's errors turned into the controller's typed ones.
+
+Rank actors and placement groups are detached and named after the job and the
+attempt, so that they outlive a supervisor that dies: its replacement adopts them
+(``RayWorkerPool.adopt``) or removes them (``reap``) before placing a new group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .cluster import actor_env
+from .messages import RankProgress, RankSetup
+from .placement import Placement, place, placement_name, replicas_available
+from .rank import RankWorker
+from .spec import JobSpec
+from .worker_group import GroupStartFailed, RankDied, RankError
+
+NAMESPACE = "zeroservice"
+
+
+def rank_name(job_id: str, attempt: str, rank: int, world: int) -> str:
+    return f"zeroservice-rank-{job_id}-{attempt}-{rank}-of-{world}"
+
+
+def _job_ranks(job_id: str) -> dict[str, dict[int, tuple[str, int]]]:
+    """The job's named rank actors: attempt -> rank -> (name, world)."""
+    prefix = f"zeroservice-rank-{job_id}-"
+    out: dict[str, dict[int, tuple[str, int]]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != NAMESPACE or not name.startswith(prefix):
+            continue
+        attempt, rank, _, world = name[len(prefix) :].rsplit("-", 3)
+        if "-" in attempt:  # another job whose id begins with this one's
+            continue
+        out.setdefault(attempt, {})[int(rank)] = (name, int(world))
+    return out
+
+
+def reap(job_id: str) -> int:
+    """Kill every rank actor of the job and remove its placement groups (what a lost
+    supervisor left); returns the actors killed."""
+    killed = 0
+    for ranks in _job_ranks(job_id).values():
+        for name, _ in ranks.values():
+            with contextlib.suppress(Exception):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                killed += 1
+    prefix = placement_name(job_id, 0)[:-1]
+    for pg_id, info in placement_group_table().items():
+        name = info.get("name", "")
+        mine = name.startswith(prefix) and name[len(prefix) :].isdigit()
+        if mine and info.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+    return killed
+
+
+def short(exc: BaseException | None, limit: int = 600) -> str:
+    """The last lines of an error that matter (Ray wraps the rank's traceback)."""
+    if exc is None:
+        return ""
+    text = str(exc).strip().splitlines()
+    tail = [line for line in text if line.strip()][-3:] if text else []
+    out = " | ".join(tail) or type(exc).__name__
+    return out[-limit:]
+
+
+class RayWorkerGroup:
+    """One attempt's rank actors. See workers/worker_group.py for the interface."""
+
+    def __init__(self, placement: Placement, actors: list[Any]):
+        self.placement, self.actors = placement, actors
+        self.dp, self.world = placement.dp, len(actors)
+        self.setups: list[RankSetup] = []
+        self.addresses: list[dict[str, Any]] = []
+        self._pending: dict[Any, int] = {}
+
+    def begin(self, method: str, *args: Any) -> None:
+        assert not self._pending, "a call is still running"
+        self._pending = {getattr(a, method).remote(*args): r for r, a in enumerate(self.actors)}
+
+    def wait(self, timeout: float) -> dict[int, Any]:
+        pending = list(self._pending)
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        out: dict[int, Any] = {}
+        for ref in done:
+            rank = self._pending.pop(ref)
+            try:
+                out[rank] = ray.get(ref)
+            except RayActorError as exc:
+                out[rank] = RankDied(rank, short(exc))
+            except RayTaskError as exc:
+                out[rank] = RankError(rank, short(exc))
+        return out
+
+    def progress(self, ranks: list[int], timeout: float) -> dict[int, RankProgress | None]:
+        refs = {r: self.actors[r].progress.remote() for r in ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        out: dict[int, RankProgress | None] = {}
+        for r, ref in refs.items():
+            try:
+                out[r] = ray.get(ref) if ref in ready else None
+            except Exception:
+                out[r] = None
+        return out
+
+    def dead(self) -> list[int]:
+        refs = {r: a.progress.remote() for r, a in enumerate(self.actors)}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=2.0)
+        dead = []
+        for r, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0.01)
+            except RayActorError:
+                dead.append(r)
+            except Exception:
+                pass
+        return dead
+
+    def stats(self) -> dict[int, dict[str, Any]]:
+        try:
+            stats = ray.get([a.stats.remote() for a in self.actors], timeout=10)
+        except Exception:
+            return {}
+        return dict(enumerate(stats))
+
+    def shutdown(self, clean: bool) -> None:
+        if clean:
+            with contextlib.suppress(Exception):
+                ray.get([a.close.remote() for a in self.actors], timeout=30)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self.placement.remove()
+
+
+class RayWorkerPool:
+    """Places and starts a job's groups on the Ray cluster this process is in."""
+
+    def __init__(self, job_id: str, spec: JobSpec, spec_json: str, root: str):
+        self.job_id, self.spec, self.spec_json, self.root = job_id, spec, spec_json, root
+
+    def available(self) -> int:
+        return replicas_available(self.spec.resources)
+
+    def place(self, lowest: int, highest: int, wait_s: float) -> Placement | None:
+        return place(self.job_id, self.spec.resources, lowest, highest, wait_s)
+
+    def free(self) -> str:
+        return str(ray.available_resources())
+
+    def adopt(self) -> RayWorkerGroup | None:
+        """The complete group of rank actors a lost supervisor left, with its
+        placement; None (having removed whatever is left) when there is none."""
+        found = _job_ranks(self.job_id)
+        if len(found) != 1:
+            reap(self.job_id)
+            return None
+        ((_, ranks),) = found.items()
+        world = next(iter(ranks.values()))[1]
+        try:
+            if sorted(ranks) != list(range(world)) or world % self.spec.resources.mp:
+                raise ValueError(f"an incomplete group: ranks {sorted(ranks)} of {world}")
+            dp = world // self.spec.resources.mp
+            pg = ray.util.get_placement_group(placement_name(self.job_id, dp))
+            actors = [ray.get_actor(ranks[r][0], namespace=NAMESPACE) for r in range(world)]
+            group = RayWorkerGroup(Placement(pg, dp), actors)
+            timeout = self.spec.timeouts.bootstrap_s
+            group.addresses = ray.get([a.address.remote() for a in actors], timeout=timeout)
+        except Exception:
+            reap(self.job_id)
+            return None
+        return group
+
+    def start(self, placement: Placement, restarts: int) -> RayWorkerGroup:
+        res = self.spec.resources
+        world = placement.dp * res.mp
+        remote = ray.remote(RankWorker)
+        attempt = uuid.uuid4().hex[:8]
+        actors = [
+            remote.options(
+                name=rank_name(self.job_id, attempt, r, world),
+                namespace=NAMESPACE,
+                lifetime="detached",  # see the module docstring
+                num_cpus=res.cpus_per_rank,
+                num_gpus=res.gpus_per_rank,
+                max_concurrency=4,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement.group,
+                    placement_group_bundle_index=r // res.mp,
+                ),
+                runtime_env={"env_vars": actor_env()},
+            ).remote(self.job_id, r, self.spec_json)
+            for r in range(world)
+        ]
+        group = RayWorkerGroup(placement, actors)
+        try:
+            self._setup(group, restarts)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            group.shutdown(clean=False)
+            raise GroupStartFailed(f"starting {world} ranks failed: {short(exc)}") from None
+        except BaseException:
+            group.shutdown(clean=False)
+            raise
+        return group
+
+    def _setup(self, group: RayWorkerGroup, restarts: int) -> None:
+        timeout = self.spec.timeouts.bootstrap_s
+        actors = group.actors
+        addresses = ray.get([a.address.remote() for a in actors], timeout=timeout)
+        port = ray.get(actors[0].free_port.remote(), timeout=timeout)
+        Path(self.root).mkdir(parents=True, exist_ok=True)
+        group.setups = ray.get(
+            [
+                a.setup.remote(
+                    addresses[0]["ip"],
+                    port,
+                    group.world,
+                    self.root,
+                    restarts,
+                    f"{addr['ip']}/{addr['node_id'][:8]}",
+                )
+                for a, addr in zip(actors, addresses, strict=True)
+            ],
+            timeout=timeout,
+        )
+        group.addresses = addresses

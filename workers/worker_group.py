@@ -1,0 +1,259 @@
+"""What the supervisor's controller needs of the ranks, as an interface with two
+implementations: Ray actors (workers/ray_group.py) and plain objects on threads of
+this process (``InProcessPool`` below), which the controller's unit tests drive with
+scripted ranks: kill one, freeze one, let capacity come and go, all without Ray.
+
+A *pool* places and starts groups; a *group* is one attempt's ranks. A group runs one
+call on every rank at a time (``begin``, then ``wait`` until every rank answered) and
+answers the watchdog's questions (``progress``, ``dead``) meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from .messages import RankProgress, RankSetup
+
+
+class RankDied(Exception):
+    """The rank's process is gone (killed, its node removed)."""
+
+    def __init__(self, rank: int, message: str = ""):
+        super().__init__(message or f"rank {rank} died")
+        self.rank, self.message = rank, message
+
+
+class RankError(Exception):
+    """The rank's call raised; the rank itself may still be alive."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank, self.message = rank, message
+
+
+class GroupStartFailed(Exception):
+    """The ranks could not all join the group within the bootstrap timeout."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class Placement(Protocol):
+    dp: int
+
+    def remove(self) -> None: ...
+
+
+class WorkerGroup(Protocol):
+    dp: int
+    world: int
+    setups: list[RankSetup]
+    addresses: list[dict[str, Any]]
+    """Per rank: ip, node_id, pid, gpus."""
+
+    def begin(self, method: str, *args: Any) -> None:
+        """Start ``method(*args)`` on every rank (the previous call must be over)."""
+
+    def wait(self, timeout: float) -> dict[int, Any]:
+        """The ranks whose call finished within ``timeout`` (each reported once): the
+        result, or a ``RankDied`` / ``RankError`` instance."""
+
+    def progress(self, ranks: list[int], timeout: float) -> dict[int, RankProgress | None]:
+        """Each rank's progress; None for a rank that did not answer in time."""
+
+    def dead(self) -> list[int]:
+        """Ranks whose process is gone."""
+
+    def stats(self) -> dict[int, dict[str, Any]]:
+        """Recent per-rank stats; {} when they are not to be had now."""
+
+    def shutdown(self, clean: bool) -> None:
+        """Stop every rank (``clean``: let them close first) and free the placement."""
+
+
+class WorkerPool(Protocol):
+    def available(self) -> int:
+        """Replicas the free resources could hold now (besides the job's own group)."""
+
+    def place(self, lowest: int, highest: int, wait_s: float) -> Placement | None:
+        """The largest placement of ``lowest..highest`` replicas possible now."""
+
+    def start(self, placement: Placement, restarts: int) -> WorkerGroup:
+        """Ranks on the placement, joined and set up; raises GroupStartFailed (having
+        removed what it started)."""
+
+    def adopt(self) -> WorkerGroup | None:
+        """The group a lost supervisor left running (addresses known, setups not yet),
+        or None after removing whatever it left."""
+
+    def free(self) -> str:
+        """The free resources, in words, for a message."""
+
+
+# -- in-process ---------------------------------------------------------------------------
+
+
+@dataclass
+class LocalPlacement:
+    dp: int
+    pool: InProcessPool
+    released: bool = False
+
+    def remove(self) -> None:
+        self.pool.release(self)
+
+
+class InProcessGroup:
+    """Rank objects (RankWorker's methods: setup, train, save, progress, stats, close)
+    called on threads. A rank signals its own death by raising ``RankDied``; from
+    then on every call to it raises the same."""
+
+    def __init__(self, ranks: list[Any], placement: LocalPlacement, mp: int):
+        self.ranks, self.placement = ranks, placement
+        self.dp, self.world = placement.dp, len(ranks)
+        self.setups: list[RankSetup] = []
+        self.addresses = [
+            {"ip": "127.0.0.1", "node_id": f"local{r // mp:04d}", "pid": 0, "gpus": []}
+            for r in range(self.world)
+        ]
+        self._gone: set[int] = set()
+        self._calls = ThreadPoolExecutor(self.world, thread_name_prefix="rank")
+        self._asks = ThreadPoolExecutor(self.world, thread_name_prefix="rank-ask")
+        self._asking: dict[int, Future] = {}
+        """Per rank, the progress question still unanswered: a frozen rank is asked once."""
+        self._pending: dict[Future, int] = {}
+
+    def _invoke(self, rank: int, method: str, *args: Any) -> Any:
+        if rank in self._gone:
+            raise RankDied(rank, f"rank {rank} is gone")
+        try:
+            return getattr(self.ranks[rank], method)(*args)
+        except RankDied:
+            self._gone.add(rank)
+            raise
+        except Exception as exc:
+            raise RankError(rank, f"{type(exc).__name__}: {exc}") from exc
+
+    def begin(self, method: str, *args: Any) -> None:
+        assert not self._pending, "a call is still running"
+        self._pending = {
+            self._calls.submit(self._invoke, r, method, *args): r for r in range(self.world)
+        }
+
+    def wait(self, timeout: float) -> dict[int, Any]:
+        done, _ = wait_futures(list(self._pending), timeout=timeout)
+        out: dict[int, Any] = {}
+        for future in done:
+            rank = self._pending.pop(future)
+            exc = future.exception()
+            out[rank] = exc if exc is not None else future.result()
+        return out
+
+    def progress(self, ranks: list[int], timeout: float) -> dict[int, RankProgress | None]:
+        for r in ranks:
+            if r not in self._asking:
+                self._asking[r] = self._asks.submit(self._invoke, r, "progress")
+        asks = {r: self._asking[r] for r in ranks}
+        wait_futures(list(asks.values()), timeout=timeout)
+        out: dict[int, RankProgress | None] = {}
+        for r, f in asks.items():
+            out[r] = None
+            if f.done():
+                del self._asking[r]
+                out[r] = f.result() if f.exception() is None else None
+        return out
+
+    def dead(self) -> list[int]:
+        return sorted(self._gone)
+
+    def stats(self) -> dict[int, dict[str, Any]]:
+        with contextlib.suppress(Exception):
+            return {r: self._invoke(r, "stats") for r in range(self.world)}
+        return {}
+
+    def shutdown(self, clean: bool) -> None:
+        for r, rank in enumerate(self.ranks):
+            if r not in self._gone:
+                with contextlib.suppress(Exception):
+                    rank.close()
+            self._gone.add(r)
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._asks.shutdown(wait=False, cancel_futures=True)
+        self.placement.remove()
+
+
+class InProcessPool:
+    """``capacity`` replicas (a test changes it to take capacity away or give it
+    back); ``make_rank(rank, world, attempt)`` builds a rank object."""
+
+    def __init__(self, make_rank: Any, capacity: int, mp: int = 1):
+        self.make_rank, self.capacity, self.mp = make_rank, capacity, mp
+        self.used = 0
+        self.attempts = 0
+        self.groups: list[InProcessGroup] = []
+        self.orphan: InProcessGroup | None = None
+        """A group whose supervisor was lost, for ``adopt``."""
+        self._lock = threading.Lock()
+
+    def available(self) -> int:
+        with self._lock:
+            return max(0, self.capacity - self.used)
+
+    def place(self, lowest: int, highest: int, wait_s: float) -> LocalPlacement | None:
+        with self._lock:
+            dp = min(highest, self.capacity - self.used)
+            if dp < lowest:
+                return None
+            self.used += dp
+            return LocalPlacement(dp, self)
+
+    def release(self, placement: LocalPlacement) -> None:
+        with self._lock:
+            if not placement.released:
+                self.used -= placement.dp
+                placement.released = True
+
+    def start(self, placement: LocalPlacement, restarts: int) -> InProcessGroup:
+        world = placement.dp * self.mp
+        self.attempts += 1
+        ranks = [self.make_rank(r, world, self.attempts) for r in range(world)]
+        group = InProcessGroup(ranks, placement, self.mp)
+        group.begin("setup", "127.0.0.1", 0, world, "", restarts, "local")
+        answers = group.wait(timeout=60)
+        failed = [a for a in answers.values() if isinstance(a, Exception)]
+        if failed or len(answers) < world:
+            group.shutdown(clean=False)
+            why = failed[0] if failed else "timed out"
+            raise GroupStartFailed(f"starting {world} ranks failed: {why}")
+        group.setups = [answers[r] for r in range(world)]
+        self.groups.append(group)
+        return group
+
+    def adopt(self) -> InProcessGroup | None:
+        group, self.orphan = self.orphan, None
+        return group
+
+    def free(self) -> str:
+        return f"{self.available()} replica(s)"
+
+
+def describe_rank(rank: int, mp: int, address: dict[str, Any] | None) -> str:
+    """``rank 3 (dp 1, mp 1, node 10.0.0.2/ab12cd34)``: how messages name a rank."""
+    node = ""
+    if address:
+        node = f", node {address.get('ip')}/{str(address.get('node_id', ''))[:8]}"
+    return f"rank {rank} (dp {rank // mp}, mp {rank % mp}{node})"
+
+
+def rank_rows(group: WorkerGroup) -> list[dict[str, Any]]:
+    """Each rank of a started group: address, pid, node, metrics endpoint."""
+    return [
+        {**addr, **asdict(setup), "rank": r}
+        for r, (addr, setup) in enumerate(zip(group.addresses, group.setups, strict=True))
+    ]
