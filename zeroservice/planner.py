@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .models.gpt import GPTConfig
+    from .units import Layout
 
 PAPER_PSI = (7_500_000_000, 128_000_000_000, 1_000_000_000_000)
 PAPER_N_D = (1, 4, 16, 64, 256, 1024)
@@ -535,23 +536,26 @@ def unit_sizes_for_module(
     The units of ``units.plan_layout``, each padded to a multiple of N_d (stage 0
     shards over one rank: no padding). The module is only inspected.
     """
-    from .units import plan_layout, unit_sizes
+    from .units import unit_sizes
+
+    layout = _layout(module, dp, stage, bucket_elements, stage3_grouping)
+    return unit_sizes(layout, dp if stage > 0 else 1)
+
+
+def _layout(module: nn.Module, dp: int, stage: int, bucket: int | None, grouping: str) -> Layout:
+    """The engine's units for ``module`` (units.plan_layout), the arguments checked."""
+    from .units import plan_layout
 
     _check_int("dp", dp, 1)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
-    if bucket_elements is not None:
-        _check_int("bucket_elements", bucket_elements, 1)
-    if stage3_grouping not in ("blocks", "size"):
-        raise PlanError(f"stage3_grouping: {stage3_grouping!r} is not 'blocks' or 'size'")
-    layout = plan_layout(
-        module,
-        stage=stage,
-        world=dp,
-        bucket_elements=bucket_elements,
-        stage3_grouping=stage3_grouping,
+    if bucket is not None:
+        _check_int("bucket_elements", bucket, 1)
+    if grouping not in ("blocks", "size"):
+        raise PlanError(f"stage3_grouping: {grouping!r} is not 'blocks' or 'size'")
+    return plan_layout(
+        module, stage=stage, world=dp, bucket_elements=bucket, stage3_grouping=grouping
     )
-    return unit_sizes(layout, dp if stage > 0 else 1)
 
 
 def model_state_bytes_for_module(
@@ -592,17 +596,9 @@ def frozen_bytes_for_module(
     padded units in the training dtype, this rank's 1/N_d of them at stage 3; no
     gradient, master or optimizer state. The engine's ``memory_ledger().frozen``."""
     from .flat import padded_size
-    from .units import plan_layout
 
     _check_precision(precision)
-    _check_int("dp", dp, 1)
-    layout = plan_layout(
-        module,
-        stage=stage,
-        world=dp,
-        bucket_elements=bucket_elements,
-        stage3_grouping=stage3_grouping,
-    )
+    layout = _layout(module, dp, stage, bucket_elements, stage3_grouping)
     shard_world = dp if stage > 0 else 1
     frozen = [c for c in layout.chunks if not c[0][1].requires_grad]
     padded = sum(padded_size(sum(p.numel() for _, p in c), shard_world) for c in frozen)

@@ -11,8 +11,10 @@ corruption in it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
+from collections.abc import Iterator
 from io import BufferedReader
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -41,18 +43,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename: readers see the old file or the new one."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A file written under a temporary name, fsynced and renamed over ``path`` when the
+    block ends: readers see the old file or the new one. On any failure the temporary
+    file is removed (a full disk must not keep what was half written)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not keep what was half written
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
     fsync_dir(path.parent)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import errno
-import os
 import random
 import shutil
 import time
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .files import CheckpointError, SaveFailed, fsync_dir, write_segment
+from .files import CheckpointError, SaveFailed, atomic_file, fsync_dir, write_segment
 from .layout import held_pieces
 from .manifest import FORMAT, MANIFEST, VERSION, candidates, step_dir_name, write_manifest
 from .state import ShardedState
@@ -98,17 +97,9 @@ def snapshot_items(state: ShardedState, kinds: list[str], copy: bool) -> list[It
 def write_items(path: Path, items: list[Item]) -> list[dict[str, Any]]:
     """One rank file, atomically (tmp, fsync, rename); returns its segments."""
     segments: list[dict[str, Any]] = []
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for meta, data in items:
-                segments.append(write_segment(f, data) | meta | {"file": path.name})
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not keep what was half written
-        raise
+    with atomic_file(path) as f:
+        for meta, data in items:
+            segments.append(write_segment(f, data) | meta | {"file": path.name})
     return segments
 
 
