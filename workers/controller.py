@@ -19,6 +19,25 @@ job_states.py) and the allowed moves (workers.state.TRANSITIONS):
               is an event and the job goes on: running, the next save tries again
               (after the last step, the save alone, up to FINAL_SAVE_TRIES times)
 
+[Note: live resize]
+With ``engine.redundancy: host-copy`` (and mp 1) a lost or stalled rank does not
+restart the job: its process is killed, the others' calls end (their collectives
+fail), and the same rank actors re-form a smaller group (a fresh rendezvous) and
+restore the training state from host memory: each rank's last copy of its own shards
+and its neighbour's (zeroservice/redundancy.py). At most ``redundancy_interval`` steps
+are trained again and no file is read. When the survivors lack a lost rank's shards
+(two neighbours lost at once) every rank loads the newest checkpoint instead, still in
+place; when a survivor does not come back or the re-formed group fails to start, the
+job restarts from the checkpoint as before. Either way the event says which. Growth is
+live too: while the group is below max_dp the chunks are one step long, and at the
+first step boundary where a replica fits (the lost rank's own bundle again, or new
+room on the cluster) new rank actors join and the others hand them their shards
+(copied at that boundary, so nothing is trained again).
+
+    running   lost / stalled, live → resizing (``Regrouping``): drop the lost
+              ranks, re-form → running | resizing (restart from the checkpoint)
+    running   room to grow, live → resizing (``Regrouping``, grow) → running
+
 Every move passes ``check_transition`` and then the callbacks (the job record's
 status is one); every restart, resize, placement and checkpoint is an event.
 The ranks are reached only through a WorkerPool/WorkerGroup (workers/worker_group.py),
@@ -37,7 +56,17 @@ from typing import Any
 
 from .history import step_points
 from .job_record import JobRecord
-from .job_states import Cancelled, Failed, Queued, Resizing, Running, Starting, State, Succeeded
+from .job_states import (
+    Cancelled,
+    Failed,
+    Queued,
+    Regrouping,
+    Resizing,
+    Running,
+    Starting,
+    State,
+    Succeeded,
+)
 from .messages import RankChunk, RankProgress
 from .spec import JobSpec
 from .state import check_transition
@@ -55,6 +84,9 @@ from .worker_group import (
 Callback = Callable[[State, State], None]
 FINAL_SAVE_TRIES = 3
 """How often the checkpoint after the last step is tried before the job fails."""
+SETTLE_S = 30.0
+"""How long the survivors of a lost rank get to end their failed call (their
+collectives fail as soon as the lost rank's connections close)."""
 
 
 class Interruption(enum.Enum):
@@ -121,7 +153,14 @@ class JobController:
 
     @property
     def group(self) -> WorkerGroup | None:
-        return self.state.group if isinstance(self.state, Running) else None
+        return self.state.group if isinstance(self.state, Running | Regrouping) else None
+
+    @property
+    def live(self) -> bool:
+        """Resizes keep the rank actors and restore from host memory (see [Note: live
+        resize]); otherwise every resize restarts from the checkpoint."""
+        redundancy = getattr(self.spec.zero_config(), "redundancy", "none")
+        return redundancy != "none" and self.spec.resources.mp == 1
 
     def _next(self, state: State) -> State:
         if isinstance(state, Queued):
@@ -133,6 +172,8 @@ class JobController:
                 return adopted
         if isinstance(state, Starting | Resizing):
             return self._place()
+        if isinstance(state, Regrouping):
+            return self._regroup(state)
         if isinstance(state, Running):
             return self._chunk(state)
         raise AssertionError(f"no step from {state}")
@@ -145,7 +186,7 @@ class JobController:
             self.tracker.close(str(following.kind))
 
     def _teardown(self, state: State, clean: bool) -> None:
-        if isinstance(state, Running):
+        if isinstance(state, Running | Regrouping):
             state.group.shutdown(clean)
 
     # -- starting and resizing ----------------------------------------------------------
@@ -261,6 +302,17 @@ class JobController:
         if step < spec.steps:
             interval = spec.checkpoint.interval_steps
             target = min(spec.steps, (step // interval + 1) * interval)
+            if self.live and group.dp < spec.resources.highest_dp:
+                more = self._room_to_grow(group)
+                if more > 0:
+                    return Regrouping(
+                        group=group,
+                        grow=more,
+                        step=step,
+                        reason="capacity_returned",
+                        message=f"room for {more} more replica(s): growing in place at step {step}",
+                    )
+                target = step + 1  # look for room again at the next step boundary
             t0 = time.monotonic()
             stop, chunks = self._watch(group, "train", target)
             if stop is not None:
@@ -298,7 +350,15 @@ class JobController:
             self.tracker.checkpoint(step, path)
         if step >= spec.steps:
             return self._succeeded(group)
-        more = self._room_to_grow(group.dp)
+        more = self._room_to_grow(group)
+        if more > 0 and self.live:
+            return Regrouping(
+                group=group,
+                grow=more,
+                step=step,
+                reason="capacity_returned",
+                message=f"room for {more} more replica(s): growing in place at step {step}",
+            )
         if more > 0:
             group.shutdown(clean=False)
             return Resizing(
@@ -311,11 +371,12 @@ class JobController:
         group.shutdown(clean=True)
         return Succeeded(message=f"{self.spec.steps} steps")
 
-    def _room_to_grow(self, dp: int) -> int:
+    def _room_to_grow(self, group: WorkerGroup) -> int:
         highest = self.spec.resources.highest_dp
-        if dp >= highest:
+        if group.dp >= highest:
             return 0
-        return min(highest - dp, self.pool.available())
+        vacant = group.vacancies() if self.live else 0
+        return min(highest - group.dp, self.pool.available() + vacant)
 
     def _progress_line(self, step: int, target: int, seconds: float) -> None:
         spec = self.spec
@@ -334,12 +395,83 @@ class JobController:
         self.tracker.steps(points)
 
     def _interrupted(self, group: WorkerGroup, stop: Interrupted) -> State:
+        lost = stop.why in (Interruption.LOST, Interruption.STALLED)
+        mp = self.spec.resources.mp
+        if lost and self.live and (group.world - len(stop.ranks)) // mp >= 1:
+            restarted = self._restart(stop.why.value, stop.message, ranks=stop.ranks)
+            if isinstance(restarted, Failed):
+                group.shutdown(clean=False)
+                return restarted
+            return Regrouping(
+                group=group,
+                lost=sorted(stop.ranks),
+                reason=stop.why.value,
+                message=f"re-forming without rank(s) {sorted(stop.ranks)}: {stop.message}",
+            )
         group.shutdown(clean=False)
         if stop.why is Interruption.CANCELLED:
             return self._cancelled()
         if stop.why is Interruption.ERROR:
             return Failed(reason=stop.why.value, message=stop.message)
         return self._restart(stop.why.value, stop.message, ranks=stop.ranks)
+
+    # -- live resize ---------------------------------------------------------------------
+    def _regroup(self, state: Regrouping) -> State:
+        """See [Note: live resize]."""
+        spec, group = self.spec, state.group
+        if self.cancel.is_set():
+            group.shutdown(clean=False)
+            return self._cancelled()
+        before = group.dp
+        t0 = time.monotonic()
+        if state.lost and not group.drop(state.lost, SETTLE_S):
+            group.shutdown(clean=False)
+            return Resizing(
+                reason=state.reason,
+                message="a surviving rank did not end its call in "
+                f"{SETTLE_S:g} s: restarting from the newest checkpoint",
+            )
+        if state.lost and group.dp < spec.resources.lowest_dp:
+            group.shutdown(clean=False)
+            return Resizing(reason=state.reason, message="fewer replicas left than min_dp")
+        if state.grow:
+            added = self.pool.extend(group, state.grow, spec.timeouts.bootstrap_s)
+            if not added:  # the room went before we took it
+                return Running(group=group, step=state.step, message=state.message)
+        try:
+            setups = group.regroup(self.record.restarts, not state.lost)
+        except GroupStartFailed as failure:
+            group.shutdown(clean=False)
+            return self._restart("bootstrap_failed", failure.message)
+        group.setups = setups
+        first = setups[0]
+        seconds = time.monotonic() - t0
+        if first.unreported is not None:  # steps whose chunk was lost with the rank
+            self.record.add_chunk([first.unreported], {})
+            self._add_points([first.unreported], before)
+        self._note_size(group.dp)
+        if first.fallback:
+            origin = f"checkpoint {first.loaded} (the peers' memory lacked: {first.fallback})"
+        else:
+            origin = first.loaded or "scratch"
+        with self.record.lock:
+            if first.fallback:
+                self.record.step = first.start_step
+        self.record.event(
+            "placed",
+            "regrouped",
+            f"{group.world} ranks (dp {before} -> {group.dp}) in place from {origin} at step "
+            f"{first.start_step} in {seconds:.2f} s",
+            from_checkpoint=first.loaded if first.fallback else None,
+            from_peers=not first.fallback,
+            seconds=seconds,
+            ranks=[
+                {"rank": r, "node": f"{a['ip']}/{a['node_id'][:8]}", "gpus": a["gpus"]}
+                for r, a in enumerate(group.addresses)
+            ],
+        )
+        mp = spec.resources.mp
+        return Running(group=group, step=first.start_step, message=f"dp {group.dp} × mp {mp}")
 
     # -- watching a call on every rank ---------------------------------------------------
     def _watch(

@@ -56,6 +56,20 @@ class Resizing(State):
 
 
 @dataclass(kw_only=True)
+class Regrouping(State):
+    """Re-forming the running group at another size without restarting its ranks (see
+    [Note: live resize] in workers/controller.py): without the ``lost`` ranks, or with
+    ``grow`` more ranks."""
+
+    kind: ClassVar[JobState] = JobState.RESIZING
+    group: WorkerGroup = field(repr=False)
+    lost: list[int] = field(default_factory=list)
+    grow: int = 0
+    step: int = 0
+    """The ranks' step when growing (a shrink restores to the step the peers hold)."""
+
+
+@dataclass(kw_only=True)
 class Running(State):
     """A group trains; each step of the controller is one chunk of steps up to the
     next checkpoint boundary, then a save."""

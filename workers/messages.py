@@ -34,6 +34,21 @@ class RankProgress:
 
 
 @dataclass(frozen=True)
+class RankChunk:
+    """A rank's report after a chunk of optimizer steps."""
+
+    rank: int
+    step: int
+    losses: dict[int, float]
+    """Per step: the mean loss of this rank's micro-batches."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """The ledger, the communication volume per step, tokens/s."""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    """Each step's report: loss, grad_norm, loss_scale, lr, seconds, tokens, peak_bytes
+    (workers/history.py makes the job's points of them)."""
+
+
+@dataclass(frozen=True)
 class RankSetup:
     """What a rank reports once it joined the group and built its engine."""
 
@@ -47,21 +62,13 @@ class RankSetup:
     metrics: str = ""
     """``host:port`` of its Prometheus endpoint."""
     psi: int = 0
-
-
-@dataclass(frozen=True)
-class RankChunk:
-    """A rank's report after a chunk of optimizer steps."""
-
-    rank: int
-    step: int
-    losses: dict[int, float]
-    """Per step: the mean loss of this rank's micro-batches."""
-    stats: dict[str, Any] = field(default_factory=dict)
-    """The ledger, the communication volume per step, tokens/s."""
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    """Each step's report: loss, grad_norm, loss_scale, lr, seconds, tokens, peak_bytes
-    (workers/history.py makes the job's points of them)."""
+    unreported: RankChunk | None = None
+    """After a live shrink: the steps up to the restored one that the rank trained in a
+    chunk its caller never received (their values are over every replica, see
+    ``RankWorker._agree_step``), so that no step is missing from the history."""
+    fallback: str = ""
+    """Set by a live resize that could not restore from the peers' memory: why, and so
+    ``loaded`` is the checkpoint it loaded instead."""
 
 
 @dataclass(frozen=True)

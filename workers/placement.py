@@ -62,13 +62,15 @@ def place(
     wait_s: float,
     probe_s: float = 5.0,
     settle_s: float = 5.0,
+    name: str | None = None,
 ) -> Placement | None:
     """The largest group of ``lowest..highest`` replicas Ray can place now (None: none).
 
     Resources a group just torn down held come back asynchronously, so the free
     resources are watched for up to ``settle_s`` while they allow fewer than
     ``highest`` replicas. Sizes above what they then allow are not tried; each size
-    but the smallest gets ``probe_s`` to become ready, the smallest gets ``wait_s``."""
+    but the smallest gets ``probe_s`` to become ready, the smallest gets ``wait_s``.
+    ``name``: the placement group's (default: by job and size)."""
     free = replicas_available(resources)
     deadline = time.monotonic() + settle_s
     while free < highest and time.monotonic() < deadline:
@@ -79,7 +81,7 @@ def place(
         pg = placement_group(
             [bundle(resources)] * dp,
             strategy="SPREAD",
-            name=placement_name(job_id, dp),
+            name=name or placement_name(job_id, dp),
             lifetime="detached",  # outlives its supervisor: see [Note: supervised supervisor]
         )
         timeout = wait_s if dp == lowest else probe_s

@@ -6,6 +6,8 @@ A plain class; the supervisor wraps it with ``ray.remote`` as a threaded actor, 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import enum
 import os
@@ -74,6 +76,8 @@ class RankWorker:
         """Held by train and save: one of them at a time, and settle() waits for it."""
         self._setup: RankSetup | None = None
         self._last_chunk: RankChunk | None = None
+        self._unreported: list[dict[str, Any]] = []
+        """This chunk's step reports so far (see ``RankSetup.unreported``)."""
 
     # -- placement and bootstrap ---------------------------------------------------------
     def address(self) -> dict[str, Any]:
@@ -105,13 +109,82 @@ class RankWorker:
     ) -> RankSetup:
         """Join the group (bounded by the bootstrap timeout), build the engine, load the
         newest valid checkpoint if there is one, start serving metrics."""
-        import ray
-
-        spec = self.spec
         self._phase = RankPhase.BOOTSTRAP
+        self.root = checkpoint_root
+        self._join(master, port, world)
+        loaded = self._load_newest()
+        return self._ready(world, restarts, node, loaded)
+
+    def regroup(
+        self,
+        master: str,
+        port: int,
+        world: int,
+        rank: int,
+        checkpoint_root: str,
+        restarts: int,
+        node: str,
+        grow: bool,
+    ) -> RankSetup:
+        """Re-form the job's group at another size without leaving the process.
+
+        See [Note: live resize] in workers/controller.py. The state to go on from is
+        held in host memory: after a lost peer, the engine's last redundant copy (its
+        own shards and its neighbour's); to grow, every member alive at a step
+        boundary, a copy taken now. A newcomer holds nothing. The new engine is
+        restored from what the members hold together; when that lacks a lost rank's
+        shards (no redundancy, or two neighbours lost), every rank loads the newest
+        checkpoint instead, and ``RankSetup.fallback`` says why."""
+        from zeroservice.checkpoint import PeersIncomplete
+
+        with self._busy:
+            self._phase = RankPhase.BOOTSTRAP
+            held = None
+            if self.engine is not None:
+                held = self.engine.snapshot_now() if grow else self.engine.peer_snapshot()
+                self._leave()
+            elif dist.is_initialized():
+                dist.destroy_process_group()
+            self.rank, self.root = rank, checkpoint_root
+            self._join(master, port, world)
+            assert self.engine is not None
+            fallback = ""
+            try:
+                result = self.engine.restore_from_peers(held)
+                self.step = result.step
+                self.tokens = self.step * self._tokens_per_step()
+                loaded: str | None = f"host memory of the peers at step {result.step}"
+            except PeersIncomplete as exc:  # every rank raises it alike
+                fallback = str(exc)
+                self.step, self.tokens = 0, 0
+                loaded = self._load_newest()
+            kept = [r for r in self._unreported if r["step"] <= self.step]
+            self._unreported = []
+            setup = self._ready(world, restarts, node, loaded, fallback)
+            if kept and not grow:
+                chunk = RankChunk(
+                    self.rank, self.step, {r["step"]: r["loss"] for r in kept}, {}, kept
+                )
+                setup = dataclasses.replace(setup, unreported=chunk)
+            return setup
+
+    def _leave(self) -> None:
+        """Drop the engine and the group (a peer may be gone: errors are moot)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.close()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    def _join(self, master: str, port: int, world: int) -> None:
+        """Join the process group as ``self.rank`` and build the model and engine."""
+        spec = self.spec
         use_cuda = spec.resources.gpus_per_rank > 0 and torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
+        self.use_cuda = use_cuda
         timeout = max(spec.timeouts.bootstrap_s, spec.timeouts.step_s)
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
@@ -133,23 +206,46 @@ class RankWorker:
         engine_mp = engine.mp_ledger()
         self._mp_ledgers = [g.ledger for g in tp_groups] + ([engine_mp] if engine_mp else [])
         self.dataset = build_dataset(spec)
-        self.root = checkpoint_root
-        self.step = 0
-        loaded = None
-        if Path(checkpoint_root).exists() and any(Path(checkpoint_root).iterdir()):
-            try:
-                result = engine.load_checkpoint(checkpoint_root)
-                self.step = int(result.client_state.get("step", result.step))
-                self.tokens = int(result.client_state.get("tokens", 0))
-                loaded = str(result.path)
-            except Exception as exc:  # every rank raises the same verdict
-                if "no complete, valid checkpoint" not in str(exc):
-                    raise
+        self.live = getattr(engine.config, "redundancy", "none") != "none"
         self.flops_per_token = flops_per_token(spec, model, engine.psi) / spec.resources.mp
+
+    def _tokens_per_step(self) -> int:
+        spec = self.spec
+        accum = spec.zero_config().gradient_accumulation_steps
+        return spec.micro_batch * accum * spec.model.seq_len
+
+    def _load_newest(self) -> str | None:
+        """Load the newest valid checkpoint under the job's root, if there is one."""
+        assert self.engine is not None
+        root = self.root
+        self.step = 0
+        if not (Path(root).exists() and any(Path(root).iterdir())):
+            return None
+        try:
+            result = self.engine.load_checkpoint(root)
+        except Exception as exc:  # every rank raises the same verdict
+            if "no complete, valid checkpoint" not in str(exc):
+                raise
+            return None
+        self.step = int(result.client_state.get("step", result.step))
+        self.tokens = int(result.client_state.get("tokens", 0))
+        return str(result.path)
+
+    def _ready(
+        self, world: int, restarts: int, node: str, loaded: str | None, fallback: str = ""
+    ) -> RankSetup:
+        """Serve metrics under the rank's (new) identity and report the setup."""
+        import ray
+
+        engine, topo = self.engine, self.topo
+        assert engine is not None
         self.peak = peak_tflops(
-            torch.device("cuda", 0) if use_cuda else torch.device("cpu"), spec.peak_tflops
+            torch.device("cuda", 0) if self.use_cuda else torch.device("cpu"),
+            self.spec.peak_tflops,
         )
         node_ip = ray.util.get_node_ip_address()
+        if self.metrics is not None:
+            self.metrics.close()
         self.metrics = RankMetrics(
             {
                 "job_id": self.job_id,
@@ -172,6 +268,7 @@ class RankWorker:
             loaded=loaded,
             metrics=f"{node_ip}:{metrics_port}",
             psi=engine.psi,
+            fallback=fallback,
         )
         return self._setup
 
@@ -179,6 +276,7 @@ class RankWorker:
     def train(self, until: int) -> RankChunk:
         """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches)."""
         with self._busy:
+            self._unreported = []
             self._last_chunk = self._train(until)
             return self._last_chunk
 
@@ -186,7 +284,7 @@ class RankWorker:
         engine, spec = self.engine, self.spec
         assert engine is not None, "setup first"
         accum = engine.config.gradient_accumulation_steps
-        tokens_per_step = spec.micro_batch * accum * spec.model.seq_len
+        tokens_per_step = self._tokens_per_step()
         losses: dict[int, float] = {}
         steps: list[dict[str, Any]] = []
         volume_per_step, seconds = 0, 0.0
@@ -215,8 +313,10 @@ class RankWorker:
             volume_per_step = engine.comm_ledger().volume_elements() - volume0
             self.step += 1
             self.tokens += tokens_per_step
-            losses[self.step] = total
             peak = self._publish(total, seconds, tokens_per_step, report.loss_scale)
+            if self.live:
+                total, seconds, peak = self._agree_step(total, seconds, peak)
+            losses[self.step] = total
             steps.append(
                 {
                     "step": self.step,
@@ -229,6 +329,7 @@ class RankWorker:
                     "peak_bytes": peak,
                 }
             )
+            self._unreported.append(steps[-1])
         self._phase = RankPhase.IDLE
         return RankChunk(
             rank=self.rank,
@@ -241,6 +342,18 @@ class RankWorker:
             },
             steps=steps,
         )
+
+    def _agree_step(self, loss: float, seconds: float, peak: int) -> tuple[float, float, int]:
+        """The step's loss over every replica, the slowest rank's seconds and the largest
+        peak, known to every rank: after a live shrink any survivor can report a step
+        whose chunk never reached the supervisor (see ``RankSetup.unreported``)."""
+        group = self.topo.dp_group
+        total = torch.tensor([loss], dtype=torch.float64)
+        most = torch.tensor([seconds, float(peak)], dtype=torch.float64)
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        mean = total.item() / dist.get_world_size(group)
+        return mean, most[0].item(), int(most[1].item())
 
     def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> int:
         """Update the rank's metrics after a step; returns its memory peak (bytes)."""

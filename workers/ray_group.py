@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,8 @@ def reap(job_id: str) -> int:
     prefix = placement_name(job_id, 0)[:-1]
     for pg_id, info in placement_group_table().items():
         name = info.get("name", "")
-        mine = name.startswith(prefix) and name[len(prefix) :].isdigit()
+        rest = name[len(prefix) :] if name.startswith(prefix) else ""
+        mine = rest.isdigit() or rest.startswith("grow-")  # see RayWorkerPool.extend
         if mine and info.get("state") != "REMOVED":
             with contextlib.suppress(Exception):
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
@@ -76,14 +78,32 @@ def short(exc: BaseException | None, limit: int = 600) -> str:
     return out[-limit:]
 
 
-class RayWorkerGroup:
-    """One attempt's rank actors. See workers/worker_group.py for the interface."""
+@dataclass(frozen=True)
+class Seat:
+    """A bundle of one of the group's placements: where a rank actor runs."""
 
-    def __init__(self, placement: Placement, actors: list[Any]):
-        self.placement, self.actors = placement, actors
+    placement: Placement
+    bundle: int
+
+
+class RayWorkerGroup:
+    """One attempt's rank actors. See workers/worker_group.py for the interface.
+
+    A live resize (see [Note: live resize] in workers/controller.py) drops ranks,
+    leaving their seats vacant for a later grow, and appends newcomers, seated on a
+    vacancy or on a placement taken for them; the group frees every placement at the
+    end."""
+
+    def __init__(self, placement: Placement, actors: list[Any], mp: int = 1, root: str = ""):
+        self.placement, self.actors, self.mp, self.root = placement, actors, mp, root
+        self.placements = [placement]
+        self.seats = [Seat(placement, r // mp) for r in range(len(actors))]
+        self.vacant: list[Seat] = []
         self.dp, self.world = placement.dp, len(actors)
         self.setups: list[RankSetup] = []
         self.addresses: list[dict[str, Any]] = []
+        self.timeout = 60.0
+        """Seconds a regroup may take (the job's bootstrap timeout)."""
         self._pending: dict[Any, int] = {}
 
     def begin(self, method: str, *args: Any) -> None:
@@ -142,7 +162,78 @@ class RayWorkerGroup:
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        self.placement.remove()
+        for placement in self.placements:
+            placement.remove()
+
+    # -- live resize ----------------------------------------------------------------------
+    def drop(self, ranks: list[int], settle_s: float) -> bool:
+        lost = set(ranks)
+        for r in sorted(lost):  # a stopped (SIGSTOP) process is killed too
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[r], no_restart=True)
+        running = [ref for ref, r in self._pending.items() if r not in lost]
+        if running:
+            _, late = ray.wait(running, num_returns=len(running), timeout=settle_s)
+            if late:
+                return False
+        self._pending.clear()
+        keep = [r for r in range(self.world) if r not in lost]
+        self.vacant += [self.seats[r] for r in sorted(lost)]
+        self.actors = [self.actors[r] for r in keep]
+        self.seats = [self.seats[r] for r in keep]
+        self.addresses = [self.addresses[r] for r in keep]
+        self.world = len(keep)
+        self.dp = self.world // self.mp
+        return True
+
+    def vacancies(self) -> int:
+        return len(self.usable_vacancies())
+
+    def usable_vacancies(self) -> list[Seat]:
+        """Vacant seats whose bundle sits on a live node (a seat whose node was removed
+        waits until Ray places its bundle again)."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        out = []
+        for seat in self.vacant:
+            try:
+                table = placement_group_table(seat.placement.group)
+            except Exception:
+                continue
+            node = table.get("bundles_to_node_id", {}).get(seat.bundle)
+            if table.get("state") == "CREATED" and node in alive:
+                out.append(seat)
+        return out
+
+    def add(self, actor: Any, seat: Seat, address: dict[str, Any]) -> None:
+        self.actors.append(actor)
+        self.seats.append(seat)
+        self.addresses.append(address)
+        self.world = len(self.actors)
+        self.dp = self.world // self.mp
+
+    def regroup(self, restarts: int, grow: bool) -> list[RankSetup]:
+        timeout = self.timeout
+        try:
+            addresses = ray.get([a.address.remote() for a in self.actors], timeout=timeout)
+            port = ray.get(self.actors[0].free_port.remote(), timeout=timeout)
+            refs = [
+                a.regroup.remote(
+                    addresses[0]["ip"],
+                    port,
+                    self.world,
+                    r,
+                    self.root,
+                    restarts,
+                    f"{addr['ip']}/{addr['node_id'][:8]}",
+                    grow,
+                )
+                for r, (a, addr) in enumerate(zip(self.actors, addresses, strict=True))
+            ]
+            setups = ray.get(refs, timeout=timeout)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            raise GroupStartFailed(f"re-forming {self.world} ranks failed: {short(exc)}") from None
+        self.addresses = addresses
+        return setups
 
 
 class RayWorkerPool:
@@ -175,7 +266,7 @@ class RayWorkerPool:
             dp = world // self.spec.resources.mp
             pg = ray.util.get_placement_group(placement_name(self.job_id, dp))
             actors = [ray.get_actor(ranks[r][0], namespace=NAMESPACE) for r in range(world)]
-            group = RayWorkerGroup(Placement(pg, dp), actors)
+            group = self._group(Placement(pg, dp), actors)
             timeout = self.spec.timeouts.bootstrap_s
             group.addresses = ray.get([a.address.remote() for a in actors], timeout=timeout)
         except Exception:
@@ -183,14 +274,17 @@ class RayWorkerPool:
             return None
         return group
 
-    def start(self, placement: Placement, restarts: int) -> RayWorkerGroup:
+    def _group(self, placement: Placement, actors: list[Any]) -> RayWorkerGroup:
+        group = RayWorkerGroup(placement, actors, self.spec.resources.mp, self.root)
+        group.timeout = self.spec.timeouts.bootstrap_s
+        return group
+
+    def _actor(self, seat: Seat, name: str, rank: int) -> Any:
         res = self.spec.resources
-        world = placement.dp * res.mp
-        remote = ray.remote(RankWorker)
-        attempt = uuid.uuid4().hex[:8]
-        actors = [
-            remote.options(
-                name=rank_name(self.job_id, attempt, r, world),
+        return (
+            ray.remote(RankWorker)
+            .options(
+                name=name,
                 namespace=NAMESPACE,
                 lifetime="detached",  # see the module docstring
                 num_cpus=res.cpus_per_rank,
@@ -198,14 +292,59 @@ class RayWorkerPool:
                 max_concurrency=4,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement.group,
-                    placement_group_bundle_index=r // res.mp,
+                    placement_group=seat.placement.group,
+                    placement_group_bundle_index=seat.bundle,
                 ),
                 runtime_env={"env_vars": actor_env()},
-            ).remote(self.job_id, r, self.spec_json)
+            )
+            .remote(self.job_id, rank, self.spec_json)
+        )
+
+    def extend(self, group: RayWorkerGroup, count: int, wait_s: float) -> int:
+        """Newcomers for a live grow: on the group's usable vacancies first, then on a
+        placement taken for them. Their names carry a fresh attempt, so a supervisor
+        lost after a live resize finds no single complete attempt to adopt and goes on
+        from the checkpoint (see ``adopt``)."""
+        attempt = uuid.uuid4().hex[:8]
+        seats = group.usable_vacancies()[:count]
+        if len(seats) < count and self.spec.resources.mp == 1:
+            extra = place(
+                self.job_id,
+                self.spec.resources,
+                1,
+                count - len(seats),
+                wait_s=5.0,
+                settle_s=0.0,
+                name=f"{placement_name(self.job_id, 0)[:-1]}grow-{attempt}",
+            )
+            if extra is not None:
+                group.placements.append(extra)
+                seats += [Seat(extra, b) for b in range(extra.dp)]
+        added = 0
+        for seat in seats:
+            rank = group.world
+            actor = self._actor(seat, rank_name(self.job_id, attempt, rank, 0), rank)
+            try:
+                address = ray.get(actor.address.remote(), timeout=min(wait_s, 30.0))
+            except Exception:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                continue
+            if seat in group.vacant:
+                group.vacant.remove(seat)
+            group.add(actor, seat, address)
+            added += 1
+        return added
+
+    def start(self, placement: Placement, restarts: int) -> RayWorkerGroup:
+        res = self.spec.resources
+        world = placement.dp * res.mp
+        attempt = uuid.uuid4().hex[:8]
+        actors = [
+            self._actor(Seat(placement, r // res.mp), rank_name(self.job_id, attempt, r, world), r)
             for r in range(world)
         ]
-        group = RayWorkerGroup(placement, actors)
+        group = self._group(placement, actors)
         try:
             self._setup(group, restarts)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:

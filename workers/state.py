@@ -20,7 +20,8 @@ class JobState(StrEnum):
     """Admitted: the supervisor is placing the ranks."""
     RUNNING = "running"
     RESIZING = "resizing"
-    """Restarting from the newest checkpoint on another number of replicas."""
+    """Changing the number of replicas: the running ranks re-form their group from
+    host memory (a live resize), or a new group restarts from the newest checkpoint."""
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"

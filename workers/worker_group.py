@@ -76,6 +76,18 @@ class WorkerGroup(Protocol):
     def shutdown(self, clean: bool) -> None:
         """Stop every rank (``clean``: let them close first) and free the placement."""
 
+    def drop(self, ranks: list[int], settle_s: float) -> bool:
+        """Remove lost ranks (their processes killed) and wait up to ``settle_s`` for the
+        others' calls to end; False when one does not. The others are renumbered in
+        order; each lost rank's seat becomes a vacancy."""
+
+    def vacancies(self) -> int:
+        """Seats of this group's own placements that could take a rank again now."""
+
+    def regroup(self, restarts: int, grow: bool) -> list[RankSetup]:
+        """Every member re-forms the group at its current size and restores the state
+        (see [Note: live resize]); raises GroupStartFailed."""
+
 
 class WorkerPool(Protocol):
     def available(self) -> int:
@@ -87,6 +99,10 @@ class WorkerPool(Protocol):
     def start(self, placement: Placement, restarts: int) -> WorkerGroup:
         """Ranks on the placement, joined and set up; raises GroupStartFailed (having
         removed what it started)."""
+
+    def extend(self, group: Any, count: int, wait_s: float) -> int:
+        """Up to ``count`` new ranks appended to ``group``, not yet set up: on its
+        vacancies first, then on a new placement; returns how many."""
 
     def adopt(self) -> WorkerGroup | None:
         """The group a lost supervisor left running (addresses known, setups not yet),
@@ -110,13 +126,15 @@ class LocalPlacement:
 
 
 class InProcessGroup:
-    """Rank objects (RankWorker's methods: setup, train, save, progress, stats, close)
-    called on threads. A rank signals its own death by raising ``RankDied``; from
-    then on every call to it raises the same."""
+    """Rank objects (RankWorker's methods: setup, train, save, progress, stats, close;
+    ``regroup(world, rank, restarts, grow)``) called on threads. A rank signals its own
+    death by raising ``RankDied``; from then on every call to it raises the same."""
 
     def __init__(self, ranks: list[Any], placement: LocalPlacement, mp: int):
-        self.ranks, self.placement = ranks, placement
+        self.ranks, self.placement, self.mp = ranks, placement, mp
         self.dp, self.world = placement.dp, len(ranks)
+        self.vacant = 0
+        """Replicas of the placement whose rank was dropped (refilled first)."""
         self.setups: list[RankSetup] = []
         self.addresses = [
             {"ip": "127.0.0.1", "node_id": f"local{r // mp:04d}", "pid": 0, "gpus": []}
@@ -125,6 +143,8 @@ class InProcessGroup:
         self._gone: set[int] = set()
         self._calls = ThreadPoolExecutor(self.world, thread_name_prefix="rank")
         self._asks = ThreadPoolExecutor(self.world, thread_name_prefix="rank-ask")
+        self.extra: list[LocalPlacement] = []
+        """Placements taken to grow."""
         self._asking: dict[int, Future] = {}
         """Per rank, the progress question still unanswered: a frozen rank is asked once."""
         self._pending: dict[Future, int] = {}
@@ -177,6 +197,54 @@ class InProcessGroup:
             return {r: self._invoke(r, "stats") for r in range(self.world)}
         return {}
 
+    def drop(self, ranks: list[int], settle_s: float) -> bool:
+        lost = set(ranks)
+        running = [f for f, r in self._pending.items() if r not in lost]
+        _, late = wait_futures(running, timeout=settle_s)
+        if late:
+            return False
+        self._pending.clear()
+        self._asking.clear()
+        for r in sorted(lost):
+            with contextlib.suppress(Exception):
+                self.ranks[r].close()
+        keep = [r for r in range(self.world) if r not in lost]
+        self.ranks = [self.ranks[r] for r in keep]
+        self.addresses = [self.addresses[r] for r in keep]
+        self._gone = {keep.index(r) for r in self._gone if r in keep}
+        self.vacant += len(lost) // self.mp
+        self._resize(len(keep))
+        return True
+
+    def vacancies(self) -> int:
+        """The dropped seats the pool's capacity still covers (a seat whose node went
+        with the lost rank is not one)."""
+        pool = self.placement.pool
+        with pool._lock:
+            occupied = pool.used - self.vacant
+            return max(0, min(self.vacant, pool.capacity - occupied))
+
+    def regroup(self, restarts: int, grow: bool) -> list[RankSetup]:
+        world = self.world
+        assert not self._pending, "a call is still running"
+        self._pending = {
+            self._calls.submit(self._invoke, r, "regroup", world, r, restarts, grow): r
+            for r in range(world)
+        }
+        answers = self.wait(timeout=60)
+        failed = [a for a in answers.values() if isinstance(a, Exception)]
+        if failed or len(answers) < world:
+            raise GroupStartFailed(f"re-forming {world} ranks failed: {failed or 'timed out'}")
+        self.setups = [answers[r] for r in range(world)]
+        return self.setups
+
+    def _resize(self, world: int) -> None:
+        self.world, self.dp = world, world // self.mp
+        self._calls.shutdown(wait=False)
+        self._asks.shutdown(wait=False)
+        self._calls = ThreadPoolExecutor(world, thread_name_prefix="rank")
+        self._asks = ThreadPoolExecutor(world, thread_name_prefix="rank-ask")
+
     def shutdown(self, clean: bool) -> None:
         for r, rank in enumerate(self.ranks):
             if r not in self._gone:
@@ -186,6 +254,8 @@ class InProcessGroup:
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._asks.shutdown(wait=False, cancel_futures=True)
         self.placement.remove()
+        for extra in self.extra:
+            extra.remove()
 
 
 class InProcessPool:
@@ -235,6 +305,28 @@ class InProcessPool:
         self.groups.append(group)
         return group
 
+    def extend(self, group: InProcessGroup, count: int, wait_s: float) -> int:
+        reuse = min(count, group.vacant)
+        group.vacant -= reuse
+        more = 0
+        if reuse < count:
+            extra = self.place(1, count - reuse, wait_s)
+            if extra is not None:
+                group.extra.append(extra)
+                more = extra.dp
+        added = reuse + more
+        if added:
+            self.attempts += 1
+            world = group.world + added * self.mp
+            new = [self.make_rank(r, world, self.attempts) for r in range(group.world, world)]
+            group.ranks += new
+            group.addresses += [
+                {"ip": "127.0.0.1", "node_id": f"local{r // self.mp:04d}", "pid": 0, "gpus": []}
+                for r in range(group.world, world)
+            ]
+            group._resize(world)
+        return added
+
     def adopt(self) -> InProcessGroup | None:
         group, self.orphan = self.orphan, None
         return group
@@ -252,7 +344,10 @@ def describe_rank(rank: int, mp: int, address: dict[str, Any] | None) -> str:
 
 
 def rank_rows(group: WorkerGroup) -> list[dict[str, Any]]:
-    """Each rank of a started group: address, pid, node, metrics endpoint."""
+    """Each rank of a started group: address, pid, node, metrics endpoint (none while
+    a live resize changes the members)."""
+    if len(group.setups) != len(group.addresses):
+        return []
     return [
         {**addr, **asdict(setup), "rank": r}
         for r, (addr, setup) in enumerate(zip(group.addresses, group.setups, strict=True))

@@ -1,18 +1,25 @@
 """The elastic scenario, run in a process of its own (``python -m``) so that its
 simulated cluster shares no Ray state with other tests: a head without CPUs and two
 2-CPU nodes; a dp=2 job (one replica per node) loses a node, shrinks to dp 1, gets a
-node back and grows to dp 2. Prints a JSON summary on its last line."""
+node back and grows to dp 2. Prints a JSON summary on its last line.
+
+``python -m tests.workers.elastic_scenario live``: the job keeps host copies
+(``engine.redundancy: host-copy``), so every resize is live (see [Note: live resize]);
+before the node is removed, one rank's process is SIGKILLed on a node that stays, and
+the job shrinks and grows back into the lost rank's own seat."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
 from pathlib import Path
 
 
-def main() -> dict:
+def main(live: bool) -> dict:
     from workers.cluster import use_loopback
 
     workdir = Path(tempfile.mkdtemp(prefix="zs-"))  # Ray's socket paths must stay short
@@ -35,10 +42,14 @@ def main() -> dict:
     ray.init(address=cluster.address, namespace="zeroservice", log_to_driver=False)
     cluster.wait_for_nodes()
     try:
+        engine = {"stage": 2, "bucket_elements": 4096}
+        if live:
+            engine["redundancy"] = "host-copy"
         spec = tiny_job(
             steps=100_000,  # runs until the shrink and the growth were seen, then cancelled
             resources={"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 2},
             checkpoint={"interval_steps": 10},
+            engine=engine,
         )
         handle = launch("elastic", spec, workdir / "ckpt")
 
@@ -54,22 +65,21 @@ def main() -> dict:
         wait_for(lambda: status()["step"] >= 10, 180, "a checkpoint", explain)
         ranks = ray.get(handle.ranks.remote())
         nodes_before = len({r["node_id"] for r in ranks})
+
+        def count(kind, reason):
+            return sum(e["kind"] == kind and e["reason"] == reason for e in events())
+
+        if live:  # a rank's process killed on a node that stays: shrink, then grow back
+            os.kill(ranks[0]["pid"], signal.SIGKILL)
+            wait_for(lambda: count("resize", "grown") == 1, 180, "the grow-back", explain)
+        shrinks = count("resize", "shrunk")
         cluster.remove_node(nodes[1])
-        wait_for(
-            lambda: any(e["kind"] == "resize" and e["reason"] == "shrunk" for e in events()),
-            180,
-            "the shrink",
-            explain,
-        )
+        wait_for(lambda: count("resize", "shrunk") > shrinks, 180, "the shrink", explain)
         dp_after_shrink = status()["dp"]
         cluster.add_node(num_cpus=2, **node_args)
         cluster.wait_for_nodes()
-        wait_for(
-            lambda: any(e["kind"] == "resize" and e["reason"] == "grown" for e in events()),
-            240,
-            "the growth",
-            explain,
-        )
+        grows = 1 if live else 0
+        wait_for(lambda: count("resize", "grown") > grows, 240, "the growth", explain)
         grown_at = status()["step"]
         wait_for(
             lambda: (lambda st: st["dp"] == 2 and st["step"] > grown_at + 10)(status()),
@@ -83,6 +93,7 @@ def main() -> dict:
             "events": events(),
             "status": status(),
             "losses": sorted(int(s) for s in ray.get(handle.losses.remote())),
+            "history": [p["step"] for p in ray.get(handle.history.remote())],
             "stopped": stop("elastic"),
         }
     finally:
@@ -93,4 +104,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(main(live=sys.argv[1:] == ["live"])))

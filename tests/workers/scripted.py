@@ -31,6 +31,15 @@ class Script:
     """Set when a group is shut down: frozen and waiting ranks return."""
     trained: list[tuple[int, int, int]] = field(default_factory=list)
     """(attempt, rank, step) of every step trained."""
+    redundancy: int = 2
+    """K: a rank's host copy (see [Note: live resize]) is refreshed every K steps."""
+    peers_incomplete: bool = False
+    """The survivors' copies lack a lost rank's shards: regroup falls back on the disk."""
+    fail_regroup: bool = False
+    lost_copy: int = 0
+    """The last killed rank's copy step: its neighbour holds that copy."""
+    living: dict[int, ScriptedRank] = field(default_factory=dict)
+    """The rank objects not closed, by id: what a regroup's members hold together."""
 
 
 class ScriptedRank:
@@ -41,6 +50,9 @@ class ScriptedRank:
         self.frozen = False
         self.saved_step = -1
         self.last_chunk: RankChunk | None = None
+        self.copied = 0
+        """The step of this rank's last host copy."""
+        script.living[id(self)] = self
 
     def setup(self, *args: Any) -> RankSetup:
         if self.attempt in self.script.fail_setup and self.rank == 0:
@@ -54,8 +66,42 @@ class ScriptedRank:
         return self.setup_info
 
     def train(self, until: int) -> RankChunk:
+        self.unreported: dict[int, float] = {}
         self.last_chunk = self._train(until)
         return self.last_chunk
+
+    def regroup(self, world: int, rank: int, restarts: int, grow: bool) -> RankSetup:
+        """As RankWorker.regroup: the members restore the step their copies share (to
+        grow: the step they all stand at), or the newest checkpoint."""
+        if self.script.fail_regroup:
+            raise RuntimeError("the rendezvous timed out")
+        others = list(self.script.living.values())
+        self.rank, self.world = rank, world
+        fallback = ""
+        if grow:
+            self.step = max(r.step for r in others)
+        elif self.script.peers_incomplete:
+            fallback = "no copy of old rank 1's shards"
+            self.step = self.script.saved
+        else:
+            self.step = min([r.copied for r in others] + [self.script.lost_copy])
+        self.copied = self.step
+        loaded = f"step-{self.step:08d}" if fallback else f"host memory at step {self.step}"
+        kept = {s: x for s, x in getattr(self, "unreported", {}).items() if s <= self.step}
+        self.unreported = {}
+        steps = [{"step": s, "loss": x, "seconds": 0.1, "tokens": 64} for s, x in kept.items()]
+        chunk = RankChunk(rank, self.step, kept, {}, steps) if kept and not grow else None
+        self.setup_info = RankSetup(
+            rank,
+            rank,
+            0,
+            self.step,
+            loaded,
+            f"127.0.0.1:{9000 + rank}",
+            fallback=fallback,
+            unreported=chunk,
+        )
+        return self.setup_info
 
     def settle(self) -> RankIdle:
         return RankIdle(self.progress(), self.setup_info, self.last_chunk)
@@ -65,6 +111,7 @@ class ScriptedRank:
         while self.step < until:
             where = (self.attempt, self.rank, self.step + 1)
             if where in self.script.kill:
+                self.script.lost_copy = self.copied
                 if self.script.on_kill:
                     self.script.on_kill()
                 raise RankDied(self.rank, "the actor died unexpectedly")
@@ -75,8 +122,10 @@ class ScriptedRank:
                 self.script.release.wait()
                 return RankChunk(self.rank, self.step, losses)
             self.step += 1
+            if self.step % self.script.redundancy == 0:
+                self.copied = self.step
             self.script.trained.append(where)
-            losses[self.step] = 1.0 / self.step
+            losses[self.step] = self.unreported[self.step] = 1.0 / self.step
         self.phase = "idle"
         steps = [
             {"step": s, "loss": loss, "seconds": 0.1, "tokens": 64} for s, loss in losses.items()
@@ -103,6 +152,7 @@ class ScriptedRank:
         return {"rank": self.rank, "step": self.step}
 
     def close(self) -> None:
+        self.script.living.pop(id(self), None)
         self.script.release.set()
 
 

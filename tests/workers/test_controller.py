@@ -14,6 +14,7 @@ from workers.job_states import (
     Cancelled,
     Failed,
     Queued,
+    Regrouping,
     Resizing,
     Running,
     Starting,
@@ -300,3 +301,92 @@ def test_callbacks_see_every_move():
         (JobState.STARTING, JobState.RUNNING),
         (JobState.RUNNING, JobState.SUCCEEDED),
     ]
+
+
+# -- live resize: see [Note: live resize] -------------------------------------------------
+
+
+def _live_job(**overrides):
+    engine = {"stage": 2, "bucket_elements": 4096, "redundancy": "host-copy"}
+    resources = {"dp": 2, "min_dp": 1, "max_dp": 2}
+    return tiny_job(steps=12, engine=engine, resources=resources, **overrides)
+
+
+def test_a_killed_rank_shrinks_the_group_in_place_from_host_memory():
+    script = Script(kill={(1, 1, 6)}, redundancy=1)
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)  # its node is gone
+    ctl = _controller(_live_job(), pool)
+    assert _steps(ctl, 5)[2:] == [
+        (Running, Running),  # steps 1-4, saved at 4
+        (Running, Regrouping),  # rank 1 lost at step 6
+        (Regrouping, Running),
+    ]
+    assert ctl.group.dp == 1 and ctl.state.step == 5  # the copies of step 5, not the disk
+    assert pool.attempts == 1  # the same rank actors: no new group was started
+    (restart,) = _events(ctl, "restart")
+    assert restart["reason"] == "worker_lost" and restart["ranks"] == [1]
+    regrouped = _events(ctl, "placed")[-1]
+    assert regrouped["reason"] == "regrouped" and regrouped["from_peers"]
+    assert "(dp 2 -> 1) in place from host memory at step 5" in regrouped["message"]
+    (shrunk,) = _events(ctl, "resize")
+    assert shrunk["reason"] == "shrunk"
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 1
+    assert sorted(ctl.record.losses) == list(range(1, 13))
+    assert pool.used == 0
+
+
+def test_a_lost_rank_is_replaced_at_the_next_step_boundary():
+    script = Script(kill={(1, 1, 6)}, redundancy=2)
+    pool = scripted_pool(script, capacity=2)  # the lost rank's seat stays usable
+    ctl = _controller(_live_job(), pool)
+    _steps(ctl, 5)
+    assert ctl.group.dp == 1 and ctl.state.step == 4  # K = 2: back to the copies of step 4
+    assert _steps(ctl, 2) == [(Running, Regrouping), (Regrouping, Running)]
+    assert ctl.group.dp == 2 and ctl.state.step == 4
+    assert [e["reason"] for e in _events(ctl, "resize")] == ["shrunk", "grown"]
+    assert ctl.record.restarts == 1  # growing back costs none
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED
+    assert sorted(ctl.record.losses) == list(range(1, 13))
+
+
+def test_returned_capacity_joins_at_a_step_boundary_not_a_checkpoint():
+    script = Script()
+    pool = scripted_pool(script, capacity=1)
+    ctl = _controller(_live_job(), pool)
+    _steps(ctl, 2)
+    assert ctl.group.dp == 1
+    assert _steps(ctl, 2) == [(Running, Running), (Running, Running)]
+    assert ctl.state.step == 2  # one step per chunk while below max_dp
+    pool.capacity = 2
+    assert _steps(ctl, 2) == [(Running, Regrouping), (Regrouping, Running)]
+    assert ctl.group.dp == 2 and ctl.state.step == 2 and pool.attempts == 2
+    assert not _events(ctl, "restart")
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 0
+
+
+def test_copies_that_lack_a_lost_rank_fall_back_on_the_checkpoint_in_place():
+    script = Script(kill={(1, 1, 6)}, redundancy=1, peers_incomplete=True)
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)
+    ctl = _controller(_live_job(), pool)
+    _steps(ctl, 5)
+    assert ctl.state.step == 4 and pool.attempts == 1
+    regrouped = _events(ctl, "placed")[-1]
+    assert not regrouped["from_peers"] and regrouped["from_checkpoint"] == "step-00000004"
+    assert "the peers' memory lacked: no copy of old rank 1" in regrouped["message"]
+
+
+def test_a_failed_regroup_restarts_from_the_checkpoint():
+    script = Script(kill={(1, 1, 6)}, fail_regroup=True)
+    pool = scripted_pool(script, capacity=2)
+    ctl = _controller(_live_job(), pool)
+    assert _steps(ctl, 5)[3:] == [(Running, Regrouping), (Regrouping, Resizing)]
+    assert [e["reason"] for e in _events(ctl, "restart")] == ["worker_lost", "bootstrap_failed"]
+    script.fail_regroup = False
+    assert _steps(ctl, 1) == [(Resizing, Running)] and ctl.record.step == 4
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 2

@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 
 
-def test_node_removed_shrinks_and_node_added_grows_back():
+def _scenario(*args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     out = subprocess.run(
-        [sys.executable, "-m", "tests.workers.elastic_scenario"],
+        [sys.executable, "-m", "tests.workers.elastic_scenario", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -27,7 +27,11 @@ def test_node_removed_shrinks_and_node_added_grows_back():
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_node_removed_shrinks_and_node_added_grows_back():
+    result = _scenario()
     assert result["nodes_before"] == 2  # one replica per node
     assert result["dp_after_shrink"] == 1
     log = result["events"]
@@ -42,3 +46,23 @@ def test_node_removed_shrinks_and_node_added_grows_back():
     losses = result["losses"]
     assert losses == list(range(1, max(losses) + 1))  # no step missing
     assert result["stopped"] == "cancelled"
+
+
+def test_live_resizes_keep_the_ranks_and_read_no_checkpoint():
+    """With host copies a killed rank and a removed node each shrink the group in place,
+    and the lost seat or the returned node grows it back in place: the job's ranks are
+    started once, every resize restores from host memory, and no step is missing from
+    the history."""
+    result = _scenario("live")
+    log = result["events"]
+    placed = [e for e in log if e["kind"] == "placed"]
+    assert [e["reason"] for e in placed].count("started") == 1
+    regrouped = [e for e in placed if e["reason"] == "regrouped"]
+    assert len(regrouped) == 4 and all(e["from_peers"] for e in regrouped), regrouped
+    resizes = [e["reason"] for e in log if e["kind"] == "resize"]
+    assert resizes == ["shrunk", "grown", "shrunk", "grown"]
+    assert [e["reason"] for e in log if e["kind"] == "restart"] == ["worker_lost"] * 2
+    losses = result["losses"]
+    assert losses == list(range(1, max(losses) + 1))  # no step missing
+    history = result["history"]  # steps trained again appear again (the store keeps one)
+    assert sorted(set(history)) == list(range(1, max(history) + 1))

@@ -1,0 +1,210 @@
+"""Recovery from a lost rank: today's restart from the checkpoint against the live
+resize from host memory (see [Note: live resize] in workers/controller.py).
+
+A local Ray cluster (``ray.cluster_utils.Cluster``: a head without CPUs and two nodes,
+one replica each) runs the same job in each mode: the issue's 4-layer dim-256 GPT at
+stage 2, dp 2 (min_dp 1), a checkpoint every 5 steps; "live" adds
+``engine.redundancy: host-copy`` (K = 1). Each mode first trains without faults
+(the baseline rate), then a seeded rank's process is SIGKILLed every ``--every``
+seconds, ``--kills`` times; then a node is removed and added back.
+
+Measured per kill, from outside (the ranks' own Prometheus endpoints, polled every
+50 ms): seconds from the SIGKILL to the first step completed by a group without the
+killed process, and the steps trained again (the step reached before the kill minus
+the step the new group resumed from). Goodput: useful steps per second over the
+faulty phase / the fault-free rate. Join: seconds from the node's return to the first
+step at dp 2.
+
+    python -m benchmarks.recovery [--kills 10] [--every 12] [--modes restart live]
+
+Prints the table and writes JSON to benchmarks/results/recovery.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results" / "recovery.json"
+MODEL = {"n_layer": 4, "n_head": 4, "dim": 256, "vocab_size": 512, "seq_len": 64}
+
+
+def _scrape_step(endpoint: str) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=0.5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("zeroservice_step{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def run_mode(mode: str, kills: int, every: float, baseline_s: float, seed: int) -> dict:
+    from workers.cluster import use_loopback
+
+    workdir = Path(tempfile.mkdtemp(prefix="zs-"))
+    use_loopback(workdir / "home")
+    (workdir / "tmp" / "ray").mkdir(parents=True)
+    os.environ["RAY_TMPDIR"] = str(workdir / "tmp")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from workers.jobs import launch, stop
+    from workers.spec import JobSpec
+
+    node_args = {"node_ip_address": "127.0.0.1", "temp_dir": str(workdir / "tmp" / "ray")}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, **node_args},
+    )
+    nodes = [cluster.add_node(num_cpus=1, **node_args) for _ in range(2)]
+    ray.init(address=cluster.address, namespace="zeroservice", log_to_driver=False)
+    cluster.wait_for_nodes()
+    engine: dict[str, Any] = {"stage": 2}
+    if mode == "live":
+        engine |= {"redundancy": "host-copy", "redundancy_interval": 1}
+    spec = JobSpec.model_validate(
+        {
+            "name": f"recovery-{mode}",
+            "model": MODEL,
+            "engine": engine,
+            "optimizer": {"type": "adamw", "lr": 1e-3},
+            "steps": 10**7,
+            "micro_batch": 4,
+            "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1},
+            "checkpoint": {"interval_steps": 5, "keep": 2},
+            "timeouts": {"bootstrap_s": 120, "step_s": 60},
+            "max_restarts": 10_000,
+        }
+    )
+    rng = random.Random(seed)
+    handle = launch(f"recovery-{mode}", spec, workdir / "ckpt")
+
+    def rows() -> list[dict[str, Any]]:
+        return ray.get(handle.ranks.remote())
+
+    def step_now(members: list[dict[str, Any]]) -> int:
+        steps = [_scrape_step(r["metrics"]) for r in members]
+        return max((s for s in steps if s is not None), default=-1)
+
+    def wait_group(dp: int, without: int | None, timeout: float = 300.0):
+        """Poll until a group of ``dp`` replicas without pid ``without`` completed a
+        step past its start; returns (seconds waited, its rows)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            members = rows()
+            fresh = len(members) >= dp and all(r["pid"] != without for r in members)
+            if fresh and step_now(members) > members[0]["start_step"]:
+                return time.monotonic() - t0, members
+            time.sleep(0.05)
+        raise TimeoutError(f"{mode}: no step at dp {dp} within {timeout} s")
+
+    try:
+        _, members = wait_group(2, None)
+        while step_now(members) < 6:
+            time.sleep(0.1)
+        s0, t0 = step_now(members), time.monotonic()
+        time.sleep(baseline_s)
+        members = rows()
+        rate = (step_now(members) - s0) / (time.monotonic() - t0)
+
+        faults = []
+        s_begin, t_begin = step_now(members), time.monotonic()
+        for _ in range(kills):
+            members = rows()
+            while len(members) < 2:  # growing back (live) or restarting
+                time.sleep(0.05)
+                members = rows()
+            victim = rng.choice(members)
+            before = step_now(members)
+            os.kill(victim["pid"], signal.SIGKILL)
+            seconds, after = wait_group(1, victim["pid"])
+            faults.append(
+                {
+                    "seconds": seconds,
+                    "retrained": max(0, before - after[0]["start_step"]),
+                    "new_dp": len(after),
+                }
+            )
+            print(f"{mode}: kill -> step in {seconds:.2f} s, {faults[-1]}", flush=True)
+            time.sleep(max(0.0, every - seconds))
+        members = rows()
+        useful = step_now(members) - s_begin
+        goodput = useful / (time.monotonic() - t_begin) / rate if rate > 0 else 0.0
+
+        members = rows()
+        while len(members) < 2:
+            time.sleep(0.1)
+            members = rows()
+        cluster.remove_node(nodes[1])
+        wait_group(1, None)
+        time.sleep(3.0)
+        joined = time.monotonic()
+        cluster.add_node(num_cpus=1, **node_args)
+        wait_group(2, None)
+        t_join = time.monotonic() - joined  # from the node's return
+        events = ray.get(handle.events.remote())
+        stop(f"recovery-{mode}")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    secs = [f["seconds"] for f in faults]
+    return {
+        "mode": mode,
+        "steps_per_s_no_faults": rate,
+        "kills": len(faults),
+        "recover_p50_s": statistics.median(secs),
+        "recover_p95_s": _percentile(secs, 0.95),
+        "retrained_mean": statistics.mean(f["retrained"] for f in faults),
+        "retrained_max": max(f["retrained"] for f in faults),
+        "goodput": goodput,
+        "kill_every_s": every,
+        "join_s": t_join,
+        "faults": faults,
+        "regrouped": sum(e["reason"] == "regrouped" for e in events),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--every", type=float, default=12.0)
+    parser.add_argument("--baseline", type=float, default=20.0)
+    parser.add_argument("--modes", nargs="+", default=["restart", "live"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    results = [run_mode(m, args.kills, args.every, args.baseline, args.seed) for m in args.modes]
+    header = ("mode", "kills", "p50 s", "p95 s", "retrained", "max", "goodput", "join s")
+    print(" | ".join(header))
+    for r in results:
+        print(
+            f"{r['mode']} | {r['kills']} | {r['recover_p50_s']:.2f} | {r['recover_p95_s']:.2f} | "
+            f"{r['retrained_mean']:.1f} | {r['retrained_max']} | {r['goodput']:.2f} | "
+            f"{r['join_s']:.2f}"
+        )
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"model": MODEL, "results": results}, indent=1))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
