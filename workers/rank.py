@@ -12,13 +12,13 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import zeroservice
+from zeroservice.checkpoint.storage import has_entries
 from zeroservice.comm import CommLedger, bus_factor
 from zeroservice.data import micro_batch
 from zeroservice.memory import process_status_kib
@@ -136,7 +136,7 @@ class RankWorker:
         self.root = checkpoint_root
         self.step = 0
         loaded = None
-        if Path(checkpoint_root).exists() and any(Path(checkpoint_root).iterdir()):
+        if has_entries(checkpoint_root):  # a directory or an s3:// prefix
             try:
                 result = engine.load_checkpoint(checkpoint_root)
                 self.step = int(result.client_state.get("step", result.step))
