@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from workers.spec import JobSpec
+from zeroservice.checkpoint.storage import is_uri
 
 from .cluster_link import ClusterLink
 
@@ -96,7 +97,8 @@ class RayBackend:
         self._ensure()
         from workers.jobs import launch
 
-        Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
+        if not is_uri(checkpoint_root):  # an s3:// prefix needs no directory
+            Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
         launch(job_id, spec, checkpoint_root, restarts)
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:

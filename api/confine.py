@@ -8,9 +8,9 @@ or created here (see docs/operations.md, "Trust model").
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from workers.spec import FactoryModelSpec, JobSpec, TrackingSpec
+from workers.spec import S3_SCHEME, FactoryModelSpec, JobSpec, TrackingSpec
+from zeroservice.checkpoint.storage import location
 
 from .settings import Settings
 
@@ -46,15 +46,34 @@ def resolve_data_path(path: str, tenant: str, settings: Settings) -> str:
 
 
 def checkpoint_base(settings: Settings, tenant: str) -> str:
-    """The tenant's checkpoint directory: every job of the tenant checkpoints below it."""
-    return str(Path(settings.checkpoint_root) / tenant)
+    """The tenant's checkpoint directory (or s3 prefix): every job of the tenant
+    checkpoints below it."""
+    return str(location(settings.checkpoint_root) / tenant)
 
 
 def checkpoint_path(base: str, job_id: str, sub: str | None) -> str:
     """``<base>/<sub>`` when the job names a sub-directory (to resume from an earlier
     job's checkpoints), else ``<base>/<job id>``. ``sub`` is a checked relative path
-    (workers.spec.CheckpointSpec)."""
-    return str(Path(base) / (sub or job_id))
+    (workers.spec.CheckpointSpec), or an s3 URI that ``check_checkpoint_uri`` allowed."""
+    if sub is not None and sub.startswith(S3_SCHEME):
+        return sub
+    return str(location(base) / (sub or job_id))
+
+
+def check_checkpoint_uri(uri: str, tenant: str, settings: Settings) -> None:
+    """An ``s3://`` checkpoint.dir must lie strictly below ``<s3 root>/<tenant>/`` (the
+    spec's validator already refused empty, ``.`` and ``..`` components)."""
+    root = settings.checkpoint_s3_root
+    if not root:
+        raise Refused(
+            f"checkpoint.dir: {uri[:64]!r}: this service keeps no checkpoints on object "
+            "storage for tenants (ZEROSERVICE_CHECKPOINT_S3_ROOT is not set)"
+        )
+    own = f"{location(root) / tenant}/"
+    if not uri.startswith(own) or uri == own:
+        raise Refused(
+            f"checkpoint.dir: {uri[:64]!r} is not under this tenant's object-storage prefix {own}"
+        )
 
 
 def confine_tracking(tracking: TrackingSpec, tenant: str, settings: Settings) -> TrackingSpec:
@@ -84,6 +103,8 @@ def confine(spec: JobSpec, tenant: str, settings: Settings) -> JobSpec:
     filled in), or Refused."""
     if isinstance(spec.model, FactoryModelSpec):
         check_factory(spec.model.factory, settings.model_factories)
+    if spec.checkpoint.dir is not None and spec.checkpoint.dir.startswith(S3_SCHEME):
+        check_checkpoint_uri(spec.checkpoint.dir, tenant, settings)
     update: dict = {"tracking": confine_tracking(spec.tracking, tenant, settings)}
     if spec.data.path is not None:
         path = resolve_data_path(spec.data.path, tenant, settings)

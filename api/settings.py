@@ -33,7 +33,11 @@ class Settings:
     ray_address: str | None = None
     """Ray cluster to join ("auto", "ray://...", host:port); None: already connected."""
     checkpoint_root: str = ""
-    """Where jobs keep checkpoints (default: <data_dir>/checkpoints/<job id>)."""
+    """Where jobs keep checkpoints (default: <data_dir>/checkpoints/<job id>); a
+    directory or an ``s3://bucket/prefix``."""
+    checkpoint_s3_root: str = ""
+    """An ``s3://bucket/prefix`` under which a tenant may name ``checkpoint.dir`` as
+    ``s3://bucket/prefix/<tenant>/...``; empty: tenants may name no s3 prefix."""
     scheduler_interval_s: float = 1.0
     backfill_grace_s: float = 600.0
     """A queued job that does not fit lets smaller ones pass for this long, then holds
@@ -112,6 +116,8 @@ class Settings:
             kwargs["ray_address"] = env["ZEROSERVICE_RAY_ADDRESS"]
         if "ZEROSERVICE_CHECKPOINT_ROOT" in env:
             kwargs["checkpoint_root"] = env["ZEROSERVICE_CHECKPOINT_ROOT"]
+        if "ZEROSERVICE_CHECKPOINT_S3_ROOT" in env:
+            kwargs["checkpoint_s3_root"] = env["ZEROSERVICE_CHECKPOINT_S3_ROOT"]
         if "ZEROSERVICE_MAX_CLUSTER" in env:
             kwargs["max_cluster"] = json.loads(env["ZEROSERVICE_MAX_CLUSTER"])
         if "ZEROSERVICE_DEVICE_MEMORY_GIB" in env:

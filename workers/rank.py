@@ -14,13 +14,13 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import zeroservice
+from zeroservice.checkpoint.storage import has_entries
 from zeroservice.comm import CommLedger, bus_factor
 from zeroservice.data import micro_batch
 from zeroservice.memory import process_status_kib
@@ -219,7 +219,7 @@ class RankWorker:
         assert self.engine is not None
         root = self.root
         self.step = 0
-        if not (Path(root).exists() and any(Path(root).iterdir())):
+        if not has_entries(root):  # a directory or an s3:// prefix
             return None
         try:
             result = self.engine.load_checkpoint(root)

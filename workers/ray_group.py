@@ -19,6 +19,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from zeroservice.checkpoint.storage import is_uri
+
 from .cluster import actor_env
 from .messages import RankProgress, RankSetup
 from .placement import Placement, place, placement_name, replicas_available
@@ -360,7 +362,8 @@ class RayWorkerPool:
         actors = group.actors
         addresses = ray.get([a.address.remote() for a in actors], timeout=timeout)
         port = ray.get(actors[0].free_port.remote(), timeout=timeout)
-        Path(self.root).mkdir(parents=True, exist_ok=True)
+        if not is_uri(self.root):  # an s3:// prefix needs no directory
+            Path(self.root).mkdir(parents=True, exist_ok=True)
         group.setups = ray.get(
             [
                 a.setup.remote(

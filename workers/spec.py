@@ -20,6 +20,7 @@ from zeroservice.models import GPTConfig
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _SUB_DIR = re.compile(r"^[\w.\-]+(/[\w.\-]+)*$", re.ASCII)
+S3_SCHEME = "s3://"
 
 
 class _Strict(BaseModel):
@@ -221,18 +222,21 @@ class CheckpointSpec(_Strict):
     dir: str | None = Field(None, min_length=1, max_length=255)
     """A sub-directory of the tenant's checkpoint directory (``a/b``: letters, digits,
     ``_ . -``; never ``..`` or absolute); default: the job's id. Name the same one
-    in a later job to resume from its checkpoints."""
+    in a later job to resume from its checkpoints. Or an object-store prefix
+    ``s3://bucket/key/...`` below the tenant's own prefix in the operator's
+    ``ZEROSERVICE_CHECKPOINT_S3_ROOT`` (checked by the control plane)."""
 
     @field_validator("dir")
     @classmethod
     def _sub_directory(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        parts = value.split("/")
-        if not _SUB_DIR.match(value) or any(p in ("", ".", "..") for p in parts):
+        relative = value.removeprefix(S3_SCHEME)
+        parts = relative.split("/")
+        if not _SUB_DIR.match(relative) or any(p in ("", ".", "..") for p in parts):
             raise ValueError(
                 f"checkpoint.dir: {value[:64]!r} is not a relative sub-directory "
-                "(letters, digits, _ . - separated by /, no '..')"
+                "(letters, digits, _ . - separated by /, no '..') nor an s3://bucket/prefix"
             )
         return value
 

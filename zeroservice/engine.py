@@ -11,9 +11,9 @@ Life of a step (``gradient_accumulation_steps`` = A):
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +47,7 @@ from .units import plan_layout
 if TYPE_CHECKING:
     from .checkpoint.background import SaveHandle
     from .checkpoint.state import Counters, ShardedState
+    from .checkpoint.storage import Location
 
 
 @dataclass
@@ -481,13 +482,16 @@ class Engine:
             self.scaler.load_state_dict(counters.loss_scaler)
         self.reducer.zero_grads()
 
-    def _slice_root(self, path, must_exist: bool) -> Path:
+    def _slice_root(self, path, must_exist: bool) -> Location:
         """With model parallelism each MP slice is a checkpoint of its own over the DP
-        group, under ``mp-RR-of-MM``; its degree must match the engine's."""
+        group, under ``mp-RR-of-MM``; its degree must match the engine's. ``path``: a
+        directory or an object-store URI."""
         from .checkpoint import CheckpointError
+        from .checkpoint.storage import location, storage_for
 
-        path = Path(path)
-        slices = sorted(p.name for p in path.glob("mp-*-of-*")) if path.is_dir() else []
+        path = location(path)
+        names = storage_for(path).list_dirs(path)
+        slices = sorted(n for n in names if fnmatch.fnmatchcase(n, "mp-*-of-*"))
         mine = f"mp-{self.mp_rank:02d}-of-{self.mp_size:02d}"
         if not slices:
             if self.mp_size == 1:

@@ -203,3 +203,62 @@ def test_tenant_names_cannot_be_paths(harness, name):
         "/v1/tenants", json={"name": name}, headers=harness.headers(harness.admin)
     )
     assert r.status_code == 422, r.text
+
+
+def test_object_storage_checkpoints_stay_under_the_tenants_prefix(database_url, tmp_path):
+    """With ZEROSERVICE_CHECKPOINT_S3_ROOT a tenant may keep checkpoints at an s3
+    prefix below its own sub-prefix, and nowhere else; without it, at none."""
+    s3_root = "s3://zs-bucket/ckpt"
+    h = Harness(database_url, tmp_path / "data", checkpoint_s3_root=s3_root)
+    try:
+        alice = h.headers(h.tenant_token("alice"))
+        own = f"{s3_root}/alice/runs/exp-1"
+        r = h.client.post("/v1/jobs", json={"spec": _spec(checkpoint={"dir": own})}, headers=alice)
+        assert r.status_code == 201, r.text
+        assert r.json()["checkpoint_path"] == own
+        refused = [
+            f"{s3_root}/bob/runs",  # another tenant's prefix
+            f"{s3_root}/alice2/x",  # a tenant whose name merely starts alike
+            f"{s3_root}/alice",  # the tenant's prefix itself, not below it
+            f"{s3_root}/x",
+            "s3://zs-bucket/other/alice/x",
+            "s3://other-bucket/ckpt/alice/x",
+        ]
+        for uri in refused:
+            spec = _spec(checkpoint={"dir": uri})
+            r = h.client.post("/v1/jobs", json={"spec": spec}, headers=alice)
+            assert r.status_code == 422, (uri, r.text)
+            assert "is not under this tenant's object-storage prefix" in r.text
+            assert f"{s3_root}/alice/" in r.text
+        for uri in [f"{s3_root}/alice/../bob/x", f"{s3_root}/alice//x", "s3://", "s3://b/./x"]:
+            spec = _spec(checkpoint={"dir": uri})
+            r = h.client.post("/v1/jobs", json={"spec": spec}, headers=alice)
+            assert r.status_code == 422 and "checkpoint.dir" in r.text, (uri, r.text)
+        h.tick()
+        (launched,) = h.backend.jobs.values()
+        assert launched["status"]["checkpoint_root"] == own
+    finally:
+        h.client.close()
+        h.service.engine.dispose()
+
+
+def test_object_storage_checkpoints_are_refused_without_an_s3_root(harness):
+    alice = harness.headers(harness.tenant_token("alice"))
+    spec = _spec(checkpoint={"dir": "s3://zs-bucket/ckpt/alice/x"})
+    r = harness.client.post("/v1/jobs", json={"spec": spec}, headers=alice)
+    assert r.status_code == 422, r.text
+    assert "ZEROSERVICE_CHECKPOINT_S3_ROOT is not set" in r.text
+
+
+def test_an_s3_checkpoint_root_places_each_tenants_jobs_under_its_prefix(database_url, tmp_path):
+    h = Harness(database_url, tmp_path / "data", checkpoint_root="s3://zs-bucket/all")
+    try:
+        alice = h.headers(h.tenant_token("alice"))
+        job = h.client.post("/v1/jobs", json={"spec": TINY}, headers=alice).json()
+        assert job["checkpoint_path"] == f"s3://zs-bucket/all/alice/{job['id']}"
+        named = _spec(checkpoint={"dir": "runs/exp-1"})
+        job = h.client.post("/v1/jobs", json={"spec": named}, headers=alice).json()
+        assert job["checkpoint_path"] == "s3://zs-bucket/all/alice/runs/exp-1"
+    finally:
+        h.client.close()
+        h.service.engine.dispose()

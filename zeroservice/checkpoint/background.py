@@ -1,11 +1,11 @@
 """Asynchronous save: snapshot to host memory now, write in the background.
 
 Training goes on while the files are written. The background threads may not use
-the process group (training owns it), so they agree through the filesystem the
-checkpoint lives on anyway: each rank writes its file and then a small report
-(atomically); rank 0's thread waits for every report of this save, writes the
-manifest (the commit point) and prunes. The next save, and ``engine.close()``, wait
-for the previous one first.
+the process group (training owns it), so they agree through the storage the
+checkpoint lives on anyway (a filesystem or an object store): each rank writes its
+file and then a small report (atomically); rank 0's thread waits for every report of
+this save, writes the manifest (the commit point) and prunes. The next save, and
+``engine.close()``, wait for the previous one first.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from .files import CheckpointError, atomic_write_bytes
@@ -29,12 +28,13 @@ from .save import (
     write_items,
 )
 from .state import ShardedState
+from .storage import Location, Where, location, storage_for
 
 
 class SaveHandle:
     """A save in progress; ``wait()`` returns its directory or raises what went wrong."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Location):
         self.directory = directory
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -53,7 +53,7 @@ class SaveHandle:
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
-    def wait(self) -> Path:
+    def wait(self) -> Location:
         if self._thread is not None:
             self._thread.join()
         if self.error is not None:
@@ -63,7 +63,7 @@ class SaveHandle:
 
 def save_in_background(
     state: ShardedState,
-    root: str | Path,
+    root: Where,
     client_state: dict[str, Any] | None,
     keep: int,
     sequence: int,
@@ -72,18 +72,20 @@ def save_in_background(
     """Snapshot this rank's state and write it on a thread. ``sequence`` numbers the
     engine's saves (the same on every rank) so reports of an older attempt are ignored."""
     check_savable(state, keep)
-    directory = Path(root) / step_dir_name(state.counters.global_steps)
+    root = location(root)
+    store = storage_for(root)
+    directory = root / step_dir_name(state.counters.global_steps)
     rank, world = state.rank, state.world
-    directory.mkdir(parents=True, exist_ok=True)
+    store.make_dirs(directory)
     if rank == 0:
-        (directory / MANIFEST).unlink(missing_ok=True)
+        store.remove(directory / MANIFEST)
     kinds, scalars = per_element_kinds(state)
     items = snapshot_items(state, kinds, copy=True)
     header = manifest_header(state, kinds, scalars, client_state) if rank == 0 else None
     rng = rng_state()
     name = f"rank-{rank:05d}.bin"
 
-    def report_path(r: int) -> Path:
+    def report_path(r: int) -> Location:
         return directory / f"rank-{r:05d}.report-{sequence}.json"
 
     def write() -> None:
@@ -91,7 +93,7 @@ def save_in_background(
         items.clear()  # the snapshot's memory goes back as soon as it is on disk
         report = {
             "file": name,
-            "bytes": (directory / name).stat().st_size,
+            "bytes": store.size(directory / name),
             "segments": segments,
             "rng": rng,
         }
@@ -99,16 +101,16 @@ def save_in_background(
         if rank != 0:
             return
         deadline = time.monotonic() + timeout_s
-        while not all(report_path(r).is_file() for r in range(world)):
+        while not all(store.is_file(report_path(r)) for r in range(world)):
             if time.monotonic() > deadline:
-                missing = [r for r in range(world) if not report_path(r).is_file()]
+                missing = [r for r in range(world) if not store.is_file(report_path(r))]
                 raise CheckpointError(f"ranks {missing} did not finish within {timeout_s} s")
-            time.sleep(0.05)
-        reports = [json.loads(report_path(r).read_text()) for r in range(world)]
+            time.sleep(store.poll_s)
+        reports = [json.loads(store.read_bytes(report_path(r))) for r in range(world)]
         assert header is not None
         write_manifest(directory, assemble(header, reports))
         for r in range(world):
-            report_path(r).unlink(missing_ok=True)
-        prune(Path(root), keep)
+            store.remove(report_path(r))
+        prune(root, keep)
 
     return SaveHandle(directory).start(write)

@@ -19,6 +19,7 @@ import torch
 
 from .files import CheckpointError, SegmentReader, dtype_of
 from .manifest import read_manifest
+from .storage import Where, location
 
 _SAFETENSORS_DTYPES = {
     "float64": "F64",
@@ -34,10 +35,10 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def iter_tensors(directory: str | Path, kind: str = "master") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(directory: Where, kind: str = "master") -> Iterator[tuple[str, torch.Tensor]]:
     """Whole tensors of one kind (``master``: the fp32 parameters; or an optimizer state,
     e.g. ``exp_avg``), one at a time, checksummed."""
-    directory = Path(directory)
+    directory = location(directory)
     manifest = read_manifest(directory)
     reader = SegmentReader(directory, manifest["files"])
     reader.check_files(set(manifest["files"]))
@@ -67,12 +68,13 @@ def _assemble(
     return out
 
 
-def export_checkpoint(directory: str | Path, out: str | Path, fmt: str = "safetensors") -> Path:
+def export_checkpoint(directory: Where, out: str | Path, fmt: str = "safetensors") -> Path:
     """Write the full-precision parameters (and persistent buffers) as one file that
-    ``model.load_state_dict`` accepts."""
+    ``model.load_state_dict`` accepts; ``directory`` may be an object-store URI, ``out``
+    is a local file."""
     if fmt not in ("safetensors", "pt"):
         raise CheckpointError(f"format: {fmt!r} is not 'safetensors' or 'pt'")
-    directory, out = Path(directory), Path(out)
+    directory, out = location(directory), Path(out)
     manifest = read_manifest(directory)
     reader = SegmentReader(directory, manifest["files"])
     reader.check_files(set(manifest["files"]))
@@ -136,9 +138,9 @@ def _write_safetensors(path: Path, entries, tensor, manifest: dict[str, Any]) ->
         os.fsync(f.fileno())
 
 
-def describe(directory: str | Path, verify: bool = False) -> str:
+def describe(directory: Where, verify: bool = False) -> str:
     """The manifest in readable form; ``verify`` also reads every byte and checks it."""
-    directory = Path(directory)
+    directory = location(directory)
     m = read_manifest(directory)
     total = sum(m["files"].values())
     lines = [

@@ -12,14 +12,13 @@ corruption in it.
 from __future__ import annotations
 
 import contextlib
-import os
 import zlib
-from collections.abc import Iterator
-from io import BufferedReader
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from .storage import Location, Reader, storage_for
+from .storage import fsync_dir as fsync_dir  # save.py's directory sync
 
 BLOCK_BYTES = 1 << 22
 
@@ -35,35 +34,15 @@ class SaveFailed(CheckpointError):
     complete one, and training may go on and save again later."""
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def atomic_file(path: Location) -> contextlib.AbstractContextManager[BinaryIO]:
+    """A file (or object) that appears whole at ``path`` when the block ends, or not at
+    all: readers see the old one or the new one (see storage.py). On any failure
+    nothing of it is left (a full disk must not keep what was half written)."""
+    return storage_for(path).write_file(path)
 
 
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """A file written under a temporary name, fsynced and renamed over ``path`` when the
-    block ends: readers see the old file or the new one. On any failure the temporary
-    file is removed (a full disk must not keep what was half written)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    with atomic_file(path) as f:
-        f.write(data)
-    fsync_dir(path.parent)
+def atomic_write_bytes(path: Location, data: bytes) -> None:
+    storage_for(path).write_bytes(path, data)
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -94,25 +73,26 @@ def dtype_of(name: str) -> torch.dtype:
 class SegmentReader:
     """Reads element ranges of segments from rank files, checking the blocks it reads."""
 
-    def __init__(self, directory: Path, files: dict[str, int]):
+    def __init__(self, directory: Location, files: dict[str, int]):
         self.directory = directory
+        self.storage = storage_for(directory)
         self.expected_sizes = files
-        self._open: dict[str, BufferedReader] = {}
+        self._open: dict[str, Reader] = {}
 
     def check_files(self, names: set[str]) -> None:
         for name in sorted(names):
             path = self.directory / name
-            if not path.is_file():
+            size, want = self.storage.size(path), self.expected_sizes[name]
+            if size is None:
                 raise CheckpointError(f"{path}: missing (the manifest lists it)")
-            size, want = path.stat().st_size, self.expected_sizes[name]
             if size != want:
                 raise CheckpointError(
                     f"{path}: truncated or altered: {size} bytes, manifest says {want}"
                 )
 
-    def _file(self, name: str) -> BufferedReader:
+    def _file(self, name: str) -> Reader:
         if name not in self._open:
-            self._open[name] = open(self.directory / name, "rb")  # noqa: SIM115 (closed in close())
+            self._open[name] = self.storage.open_read(self.directory / name)
         return self._open[name]
 
     def read(

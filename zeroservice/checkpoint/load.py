@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ from .layout import Piece, held_pieces
 from .manifest import candidates, read_manifest
 from .save import persistent_buffers
 from .state import Counters, ShardedState
+from .storage import Location, Where
 
 
 class CheckpointMismatch(CheckpointError):
@@ -37,12 +37,13 @@ class CheckpointMismatch(CheckpointError):
 
 @dataclass
 class LoadResult:
-    path: Path
+    path: Location
+    """A local path, or an ``ObjectPath`` (its ``str()`` is the URI)."""
     step: int
     client_state: dict[str, Any]
     counters: Counters
     """The engine's step counters at the save: the engine applies them."""
-    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    skipped: list[tuple[Location, str]] = field(default_factory=list)
     """Newer checkpoints passed over, and why."""
 
 
@@ -53,7 +54,7 @@ Read = tuple[dict[str, Any], int, int, int]
 class _Plan:
     """Every read this rank needs, grouped by destination."""
 
-    def __init__(self, state: ShardedState, manifest: dict[str, Any], directory: Path):
+    def __init__(self, state: ShardedState, manifest: dict[str, Any], directory: Location):
         self.directory, self.manifest = directory, manifest
         self.kinds: list[str] = manifest.get("kinds", ["master"])
         by_name = {n: p for p in manifest["params"] for n in p["names"]}
@@ -107,7 +108,7 @@ class _Plan:
                     buffer.copy_(data.view(buffer.shape))
 
 
-def _match(piece: Piece, by_name: dict[str, dict[str, Any]], directory: Path) -> dict[str, Any]:
+def _match(piece: Piece, by_name: dict[str, dict[str, Any]], directory: Location) -> dict[str, Any]:
     for name in piece.slot.names:
         if name in by_name:
             saved = by_name[name]
@@ -140,12 +141,12 @@ def _all_errors(error: str | None, group) -> list[str]:
     return list(dict.fromkeys(e for e in errors if e is not None))
 
 
-def load_checkpoint(state: ShardedState, path: str | Path) -> LoadResult:
+def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
     """Load ``path`` (a checkpoint directory, or a root: its newest valid checkpoint) into
     ``state``; the caller applies the returned counters and publishes the parameters."""
     if state.pending_micro_steps:
         raise CheckpointError("load: gradients are being accumulated; load between steps")
-    skipped: list[tuple[Path, str]] = []
+    skipped: list[tuple[Location, str]] = []
     for directory in candidates(path):
         error: str | None = None
         plan: _Plan | None = None
@@ -180,7 +181,7 @@ def load_checkpoint(state: ShardedState, path: str | Path) -> LoadResult:
     raise CheckpointError(f"{path}: no complete, valid checkpoint ({reasons})")
 
 
-def _check_optimizer(state: ShardedState, manifest: dict[str, Any], directory: Path) -> None:
+def _check_optimizer(state: ShardedState, manifest: dict[str, Any], directory: Location) -> None:
     saved = manifest.get("optimizer", {}).get("class")
     ours = type(state.optimizer).__name__
     if saved is not None and saved != ours and len(manifest.get("kinds", [])) > 1:

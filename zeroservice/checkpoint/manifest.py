@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from .files import CheckpointError, atomic_write_bytes
+from .storage import Location, Where, location, storage_for
 
 FORMAT = "zeroservice-checkpoint"
 VERSION = 1
@@ -25,17 +25,20 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(directory: Location, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
+def read_manifest(directory: Where) -> dict[str, Any]:
     """Load and check a manifest; errors name the file and the problem."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing: the checkpoint is incomplete (never committed)")
+    path = location(directory) / MANIFEST
+    store = storage_for(path)
     try:
-        manifest = json.loads(path.read_text())
+        if not store.is_file(path):
+            raise CheckpointError(
+                f"{path}: missing: the checkpoint is incomplete (never committed)"
+            )
+        manifest = json.loads(store.read_bytes(path))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -51,16 +54,17 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def candidates(root: str | Path) -> list[Path]:
+def candidates(root: Where) -> list[Location]:
     """Checkpoint directories under ``root``, newest step first (complete or not)."""
-    root = Path(root)
-    if (root / MANIFEST).is_file():
+    root = location(root)
+    store = storage_for(root)
+    if store.is_file(root / MANIFEST):
         return [root]
-    if not root.is_dir():
+    if not store.is_dir(root):
         raise CheckpointError(f"{root}: no such checkpoint directory")
     found = []
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return [p for _, p in sorted(found, reverse=True)]
+    for name in store.list_dirs(root):
+        match = STEP_DIR.match(name)
+        if match:
+            found.append((int(match.group(1)), name))
+    return [root / name for _, name in sorted(found, reverse=True)]

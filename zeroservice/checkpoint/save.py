@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import errno
 import random
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +32,7 @@ from .files import CheckpointError, SaveFailed, atomic_file, fsync_dir, write_se
 from .layout import held_pieces
 from .manifest import FORMAT, MANIFEST, VERSION, candidates, step_dir_name, write_manifest
 from .state import ShardedState
+from .storage import Location, Where, location, storage_for
 
 
 def per_element_kinds(state: ShardedState) -> tuple[list[str], dict[str, Any]]:
@@ -94,7 +94,7 @@ def snapshot_items(state: ShardedState, kinds: list[str], copy: bool) -> list[It
     return items
 
 
-def write_items(path: Path, items: list[Item]) -> list[dict[str, Any]]:
+def write_items(path: Location, items: list[Item]) -> list[dict[str, Any]]:
     """One rank file, atomically (tmp, fsync, rename); returns its segments."""
     segments: list[dict[str, Any]] = []
     with atomic_file(path) as f:
@@ -103,7 +103,7 @@ def write_items(path: Path, items: list[Item]) -> list[dict[str, Any]]:
     return segments
 
 
-def write_rank_file(path: Path, state: ShardedState, kinds: list[str]) -> list[dict[str, Any]]:
+def write_rank_file(path: Location, state: ShardedState, kinds: list[str]) -> list[dict[str, Any]]:
     return write_items(path, snapshot_items(state, kinds, copy=False))
 
 
@@ -153,13 +153,15 @@ def check_savable(state: ShardedState, keep: int) -> None:
 
 
 def save_checkpoint(
-    state: ShardedState, root: str | Path, client_state: dict[str, Any] | None = None, keep: int = 3
-) -> Path:
-    """Write a checkpoint of ``state`` under ``root`` (every rank calls this).
+    state: ShardedState, root: Where, client_state: dict[str, Any] | None = None, keep: int = 3
+) -> Location:
+    """Write a checkpoint of ``state`` under ``root`` (every rank calls this); ``root``
+    is a directory or an object-store URI (``s3://bucket/prefix``).
 
     See [Note: failed save]."""
     check_savable(state, keep)
-    directory = Path(root) / step_dir_name(state.counters.global_steps)
+    root = location(root)
+    directory = root / step_dir_name(state.counters.global_steps)
     group, rank = state.group, state.rank
     failure = _attempt(rank == 0, "create the step directory", lambda: _open_step(directory))
     _agree(failure, directory, state)  # every rank goes on only once it exists
@@ -168,7 +170,7 @@ def save_checkpoint(
     report: dict[str, Any] = {"file": name}
     try:
         report["segments"] = write_rank_file(directory / name, state, kinds)
-        report["bytes"] = (directory / name).stat().st_size
+        report["bytes"] = storage_for(directory).size(directory / name)
         report["rng"] = rng_state()
     except OSError as exc:
         report["error"] = f"rank {rank}: {_oserror(exc)}"
@@ -181,16 +183,18 @@ def save_checkpoint(
         failure = _attempt(True, "commit", commit)
         errors = [failure] if failure else []
         if not errors:
-            prune(Path(root), keep)
+            prune(root, keep)
     _agree("; ".join(errors) or None, directory, state)
     return directory
 
 
-def _open_step(directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step: un-commit first
-    fsync_dir(directory)
-    fsync_dir(directory.parent)  # the step directory's entry is durable too
+def _open_step(directory: Location) -> None:
+    store = storage_for(directory)
+    store.make_dirs(directory)
+    store.remove(directory / MANIFEST)  # re-saving a step: un-commit first
+    if isinstance(directory, Path):  # an object store has no directory entries to sync
+        fsync_dir(directory)
+        fsync_dir(directory.parent)  # the step directory's entry is durable too
 
 
 def _attempt(mine: bool, what: str, action) -> str | None:
@@ -209,7 +213,7 @@ def _oserror(exc: OSError) -> str:
     return f"{name + ': ' if name else ''}{exc.strerror or exc}"
 
 
-def _agree(failure: str | None, directory: Path, state: ShardedState) -> None:
+def _agree(failure: str | None, directory: Location, state: ShardedState) -> None:
     """Every rank learns rank 0's verdict (this is also the save's barrier); on a
     failure rank 0 removes the step directory and every rank raises SaveFailed."""
     verdicts: list[Any] = [None] * state.world
@@ -218,7 +222,7 @@ def _agree(failure: str | None, directory: Path, state: ShardedState) -> None:
     if failed is None:
         return
     if state.rank == 0:
-        shutil.rmtree(directory, ignore_errors=True)
+        storage_for(directory).remove_tree(directory)
     raise SaveFailed(
         f"{directory}: save failed, the previous checkpoint stays the newest: {failed}"
     )
@@ -264,17 +268,18 @@ def manifest_header(state: ShardedState, kinds, scalars, client_state) -> dict[s
     }
 
 
-def prune(root: Path, keep: int) -> list[Path]:
+def prune(root: Where, keep: int) -> list[Location]:
     """Keep the newest ``keep`` complete checkpoints; drop older ones and older leftovers
     of interrupted saves."""
     removed, complete = [], 0
+    store = storage_for(location(root))
     for path in candidates(root):
-        if (path / MANIFEST).is_file():
+        if store.is_file(path / MANIFEST):
             complete += 1
             if complete <= keep:
                 continue
         elif complete == 0:
             continue  # newer than every complete checkpoint: perhaps being written
-        shutil.rmtree(path, ignore_errors=True)
+        store.remove_tree(path)
         removed.append(path)
     return removed
