@@ -1,0 +1,228 @@
+"""The chaos scenario, run in a process of its own (``python -m``) so that its simulated
+cluster shares no Ray state with other tests.
+
+A control plane (the API service and its scheduler, on SQLite) runs one job with host
+copies (``engine.redundancy: host-copy``) on a ``ray.cluster_utils.Cluster`` of a head
+and two 1-CPU nodes (dp 2, min_dp 1, one replica per node). A seeded schedule injects
+one fault each time the job's newest checkpoint passes the next mark: a rank's process
+SIGKILLed or SIGSTOPped, a rank's node removed (and a node added back once the job
+shrank), the supervisor's process SIGKILLed, the API service discarded and started
+again on the same store, or the checkpoint file system filled up just before a save
+(a small tmpfs, where this machine lets the test mount one). Then the job runs to its
+end. Prints a JSON summary on its last line: the faults injected, the job's final
+record, its per-step history from the API, its events, and the verdict of every
+checkpoint left.
+
+    python -m tests.e2e.chaos_scenario [--seed 0] [--faults 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SPEC: dict[str, Any] = {
+    "name": "chaos",
+    "model": {"vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32},
+    "engine": {"stage": 2, "redundancy": "host-copy", "redundancy_interval": 1},
+    "micro_batch": 2,
+    "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1},
+    "checkpoint": {"interval_steps": 10, "keep": 2},
+    "timeouts": {"bootstrap_s": 60, "step_s": 8},
+    "max_restarts": 1000,
+}
+KINDS = ["rank_kill", "rank_stop", "node", "supervisor", "api", "disk_full"]
+MARK_STEPS = 20
+"""Checkpointed steps between two faults."""
+
+
+def _mount_tmpfs(path: Path, size_mib: int) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)],
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def _schedule(n: int, seed: int, disk: bool) -> list[str]:
+    kinds = KINDS if disk else KINDS[:-1]
+    plan = [kinds[i % len(kinds)] for i in range(n)]
+    random.Random(seed).shuffle(plan)
+    return plan
+
+
+def main(seed: int, faults: int) -> dict[str, Any]:
+    from workers.cluster import use_loopback
+
+    workdir = Path(tempfile.mkdtemp(prefix="zs-"))  # Ray's socket paths must stay short
+    use_loopback(workdir / "home")
+    (workdir / "tmp" / "ray").mkdir(parents=True)
+    os.environ["RAY_TMPDIR"] = str(workdir / "tmp")
+    disk = workdir / "disk"
+    mounted = _mount_tmpfs(disk, 24)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from api.backend import RayBackend
+    from tests.api.conftest import Harness
+    from tests.waiting import wait_for
+    from workers.jobs import attach
+    from zeroservice.checkpoint import describe
+
+    node_args = {"node_ip_address": "127.0.0.1", "temp_dir": str(workdir / "tmp" / "ray")}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, **node_args},
+    )
+    nodes = [cluster.add_node(num_cpus=1, **node_args) for _ in range(2)]
+    ray.init(address=cluster.address, namespace="zeroservice", log_to_driver=False)
+    cluster.wait_for_nodes()
+    plan = _schedule(faults, seed, mounted)
+    rng = random.Random(seed + 1)
+    spec = dict(SPEC, steps=MARK_STEPS * (len(plan) + 2))
+    store = f"sqlite:///{workdir / 'store.db'}"
+    settings = {"checkpoint_root": str(disk / "checkpoints")}
+    injected: list[dict[str, Any]] = []
+    try:
+        h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
+        auth = h.headers(h.tenant_token("alice"))
+        job_id = h.client.post("/v1/jobs", json={"spec": spec}, headers=auth).json()["id"]
+
+        def job() -> dict[str, Any]:
+            h.tick()
+            return h.client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+
+        def supervisor():
+            return attach(job_id)
+
+        def events() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            while True:
+                page = h.client.get(
+                    f"/v1/jobs/{job_id}/events",
+                    params={"after": out[-1]["id"] if out else 0, "limit": 1000},
+                    headers=auth,
+                ).json()
+                out += page
+                if len(page) < 1000:
+                    return out
+
+        def ranks() -> list[dict[str, Any]]:
+            handle = supervisor()
+            if handle is None:
+                return []
+            with contextlib.suppress(Exception):
+                return ray.get(handle.ranks.remote(), timeout=10)
+            return []
+
+        def full_group() -> list[dict[str, Any]] | None:
+            j = job()
+            members = ranks()
+            return members if j["status"] == "running" and len(members) == 2 else None
+
+        def explain():
+            return job(), ray.available_resources()
+
+        for i, kind in enumerate(plan):
+            mark = MARK_STEPS * (i + 1)
+            wait_for(lambda m=mark: job()["step"] >= m, 300, f"step {mark}", explain)
+            members = wait_for(full_group, 300, "a full group", explain)
+            victim = rng.choice(members)
+            fault: dict[str, Any] = {"kind": kind, "at_step": job()["step"]}
+            if kind == "rank_kill":
+                os.kill(victim["pid"], signal.SIGKILL)
+            elif kind == "rank_stop":
+                os.kill(victim["pid"], signal.SIGSTOP)
+            elif kind == "node":
+                node = next(n for n in nodes if n.unique_id == victim["node_id"])
+                cluster.remove_node(node)
+                nodes.remove(node)
+                wait_for(lambda: job()["current_dp"] == 1, 300, "the shrink", explain)
+                nodes.append(cluster.add_node(num_cpus=1, **node_args))
+                cluster.wait_for_nodes()
+            elif kind == "supervisor":
+                os.kill(ray.get(supervisor().process_id.remote()), signal.SIGKILL)
+            elif kind == "api":
+                h.client.close()
+                h.service.engine.dispose()
+                h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
+            elif kind == "disk_full":
+                usage = shutil.disk_usage(disk)
+                ballast = disk / "ballast"
+                with open(ballast, "wb") as f:  # leave less than a rank file
+                    f.write(b"\0" * max(0, usage.free - 8192))
+                failed = sum(e["reason"] == "save_failed" for e in events())
+                wait_for(
+                    lambda n=failed: sum(e["reason"] == "save_failed" for e in events()) > n,
+                    300,
+                    "a failed save",
+                    explain,
+                )
+                ballast.unlink()
+            injected.append(fault)
+        done = wait_for(
+            lambda: (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job()),
+            600,
+            "the job to end",
+            explain,
+        )
+        history: list[dict[str, Any]] = []
+        after = -1
+        while True:
+            page = h.client.get(
+                f"/v1/jobs/{job_id}/metrics",
+                params={"history_after": after, "history_limit": 500},
+                headers=auth,
+            ).json()
+            history += page["history"]
+            if page.get("next_after") is None:
+                break
+            after = page["next_after"]
+        log = events()
+        root = Path(settings["checkpoint_root"])
+        verdicts = {
+            str(p): describe(p, verify=True)
+            for p in sorted(root.rglob("step-*"))
+            if (p / "manifest.json").exists()
+        }
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {
+        "mounted": mounted,
+        "faults": injected,
+        "job": done,
+        "steps": spec["steps"],
+        "history": [p["step"] for p in history],
+        "events": log,
+        "checkpoints": verdicts,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", type=int, default=21)
+    args = parser.parse_args()
+    started = time.monotonic()
+    summary = main(args.seed, args.faults)
+    summary["seconds"] = time.monotonic() - started
+    print(json.dumps(summary))
