@@ -31,9 +31,9 @@ from .messages import RankChunk, RankIdle, RankProgress, RankSaved, RankSetup
 from .metrics import RankMetrics
 from .spec import JobSpec
 
-START_UP_TAGS = ("init", "state", "load", "order")
-"""Collectives of start-up, checkpoints and the one-time launch-order agreement, not of
-a training step."""
+START_UP_TAGS = ("init", "state", "load", "order", "redundancy")
+"""Collectives of start-up, checkpoints, the one-time launch-order agreement and the
+peers' host copies (``redundancy``), not of a training step's phases."""
 
 
 def _process_bytes(field: str) -> int:

@@ -27,12 +27,21 @@ import torch.distributed as dist
 from .config import check_collectives
 from .ring import RingComm
 
-_VOLUME_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+_VOLUME_FACTOR = {
+    "all_reduce": 2,
+    "reduce_scatter": 1,
+    "all_gather": 1,
+    "broadcast": 1,
+    "send": 1,
+    "recv": 1,
+}
 _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
 }
 
 
@@ -188,6 +197,22 @@ class Communicator:
         src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
         work = dist.broadcast(tensor, src=src, group=g, async_op=True)
         return self._pending(work.wait, "broadcast", tag, tensor)
+
+    def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: str) -> Pending:
+        """Point-to-point: ``tensor`` to the group's rank ``dst_group_rank``."""
+        g = self.group
+        dst = dst_group_rank if g is None else dist.get_global_rank(g, dst_group_rank)
+        work = dist.isend(tensor, dst, group=g)
+        assert work is not None  # None only for ranks outside the group
+        return self._pending(work.wait, "send", tag, tensor)
+
+    def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: str) -> Pending:
+        """Point-to-point: fill ``tensor`` from the group's rank ``src_group_rank``."""
+        g = self.group
+        src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
+        work = dist.irecv(tensor, src, group=g)
+        assert work is not None  # None only for ranks outside the group
+        return self._pending(work.wait, "recv", tag, tensor)
 
     def chunk(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a buffer of N equal chunks."""

@@ -18,6 +18,7 @@ ReduceDtype = Literal["param", "fp32"]
 ScheduleKind = Literal["constant", "cosine", "linear"]
 Collectives = Literal["auto", "native", "ring"]
 Grouping = Literal["blocks", "size"]
+Redundancy = Literal["none", "host-copy"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -209,6 +210,14 @@ class ZeroConfig:
     offload_optimizer: bool = False
     """ZeRO-Offload: fp32 master weights and optimizer states live in host memory and
     the optimizer step runs on the host; gradients go down, parameters come back."""
+    redundancy: Redundancy = "none"
+    """"host-copy": after every ``redundancy_interval``-th optimizer step each rank keeps a
+    host-memory copy of what it would checkpoint and of its ring neighbour's (rank r holds
+    r's and r+1's), so that survivors of a lost rank restore from peers
+    (``Engine.restore_from_peers``) without reading a file. "none": no copy."""
+    redundancy_interval: int = 1
+    """K: the host copy is refreshed after every K-th optimizer step (at most K steps of
+    work are lost on a recovery from peers)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train_micro_batch_size: int | None = None
@@ -278,6 +287,16 @@ class ZeroConfig:
                 name,
                 "needs activation_checkpointing = true",
             )
+        _require(
+            self.redundancy in ("none", "host-copy"),
+            "redundancy",
+            f"{self.redundancy!r} is not 'none' or 'host-copy'",
+        )
+        _require(
+            _is_int(self.redundancy_interval) and self.redundancy_interval >= 1,
+            "redundancy_interval",
+            f"{self.redundancy_interval!r} must be an integer >= 1",
+        )
         _require(self.gradient_clipping >= 0, "gradient_clipping", "must be >= 0 (0 disables)")
         if self.train_micro_batch_size is not None:
             _require(self.train_micro_batch_size >= 1, "train_micro_batch_size", "must be >= 1")

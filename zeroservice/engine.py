@@ -38,6 +38,7 @@ from .memory import (
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
 from .reduce import GradReducer
+from .redundancy import HostCopies
 from .schedule import lr_factor
 from .stages import policy_for
 from .state import StateCell, TrainingState
@@ -46,6 +47,8 @@ from .units import plan_layout
 
 if TYPE_CHECKING:
     from .checkpoint.background import SaveHandle
+    from .checkpoint.load import LoadResult
+    from .checkpoint.peers import PeerSnapshot
     from .checkpoint.state import Counters, ShardedState
     from .checkpoint.storage import Location
 
@@ -234,6 +237,16 @@ class Engine:
         self.applied_steps = 0
         """Optimizer steps applied; drives the learning-rate schedule."""
         self.last_report: StepReport | None = None
+        self.host_copies: HostCopies | None = None
+        """With ``redundancy="host-copy"``: this rank's and its neighbour's state in host
+        memory, refreshed every ``redundancy_interval`` steps (redundancy.py)."""
+        if config.redundancy == "host-copy":
+            if self.mp_size > 1:
+                raise ConfigError(
+                    "redundancy: 'host-copy' is not supported with model parallelism "
+                    f"(mp = {self.mp_size}); use checkpoints"
+                )
+            self.host_copies = HostCopies(config.redundancy_interval, self.comm)
         self._saves = 0
         self._pending_save: SaveHandle | None = None
 
@@ -309,6 +322,8 @@ class Engine:
         self.global_steps += 1
         self.micro_steps = 0
         self.state.move(TrainingState.IDLE)
+        if self.host_copies is not None:
+            self.host_copies.after_step(self._sharded_state())
         self.last_report = StepReport(
             not result.skipped, result.grad_norm, result.skipped, factor, scale
         )
@@ -370,6 +385,7 @@ class Engine:
             activations_host=acts.host_bytes if acts else 0,
             activations_peak=acts.peak_bytes if acts else 0,
             activation_arena=acts.arena_bytes if acts else 0,
+            redundancy_host=self.host_copies.nbytes if self.host_copies else 0,
         )
 
     def mp_ledger(self) -> comm.CommLedger | None:
@@ -434,6 +450,46 @@ class Engine:
                     f"{path}: the model-parallel slices loaded different steps {steps} "
                     "(a slice's newest checkpoint is damaged); load an explicit step"
                 )
+        return result
+
+    # -- recovery from peers' host memory (see [Note: restore from peers]) ---------------
+    def peer_snapshot(self) -> PeerSnapshot | None:
+        """The last complete host copy this rank holds (its own state and its ring
+        neighbour's, at one step), or None (redundancy off, or before the first copy).
+        It lives in host memory and stays valid after ``close()`` and after the process
+        group is destroyed: pass it to the new engine's ``restore_from_peers``."""
+        return self.host_copies.held if self.host_copies is not None else None
+
+    def snapshot_now(self) -> PeerSnapshot:
+        """This rank's own state at the current step boundary, in host memory (no
+        collective): what existing ranks pass to ``restore_from_peers`` to grow."""
+        from .checkpoint import CheckpointError
+        from .checkpoint.peers import take_copy
+
+        if self.micro_steps:
+            raise CheckpointError(
+                f"snapshot_now: {self.micro_steps} micro-batch(es) accumulated since the "
+                "last step; call it after engine.step() completes an optimizer step"
+            )
+        return take_copy(self._sharded_state())
+
+    def restore_from_peers(self, held: PeerSnapshot | None) -> LoadResult:
+        """Restore the newest step the ranks' host copies cover, from memory (a
+        collective over this engine's DP group; a newcomer passes None). Raises
+        PeersIncomplete, changing nothing, when old ranks are missing: then load a
+        checkpoint."""
+        from .checkpoint import CheckpointError
+        from .checkpoint.peers import restore_from_peers
+
+        if self.mp_size > 1:
+            raise CheckpointError(
+                f"restore_from_peers: not supported with model parallelism (mp = "
+                f"{self.mp_size}); load a checkpoint"
+            )
+        result = restore_from_peers(self._sharded_state(), held, self.comm)
+        self._restore(result.counters)
+        if self.host_copies is not None:  # a second failure finds a copy at once
+            self.host_copies.refresh(self._sharded_state())
         return result
 
     def _sharded_state(self) -> ShardedState:

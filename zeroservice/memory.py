@@ -141,6 +141,9 @@ class MemoryLedger:
     state exists for them; they are not part of ``model_states`` or Ψ."""
     frozen_psi: int = 0
     """Frozen parameters of the model (Ψ_f)."""
+    redundancy_host: int = 0
+    """Host bytes of the peers' redundancy copies this rank holds (its own state and its
+    ring neighbour's, ``redundancy="host-copy"``); 0 without redundancy."""
 
     @property
     def host_bytes(self) -> int:

@@ -91,7 +91,8 @@ def reference_losses(spec: Spec) -> tuple[list[float], dict[str, torch.Tensor]]:
     return run.losses, run.state
 
 
-def engine_for(spec: Spec, optimizer=None):
+def engine_for(spec: Spec, optimizer=None, group=None, **config_extra):
+    """The spec's engine; ``config_extra``: further ZeroConfig fields."""
     config = ZeroConfig(
         stage=spec.stage,
         precision=spec.precision,
@@ -106,8 +107,11 @@ def engine_for(spec: Spec, optimizer=None):
         stage3_prefetch_elements=spec.prefetch,
         stage3_persistence_elements=spec.persistence,
         stage3_grouping=spec.grouping,
+        **config_extra,
     )
-    return zeroservice.initialize(_model(spec), config, optimizer=optimizer or _adamw(spec))
+    return zeroservice.initialize(
+        _model(spec), config, optimizer=optimizer or _adamw(spec), group=group
+    )
 
 
 def _engine_run(spec: Spec, optimizer, reference: harness.Run | None = None) -> harness.Run:

@@ -6,12 +6,15 @@ from .export import describe, export_checkpoint, iter_tensors
 from .files import CheckpointError, SaveFailed
 from .load import CheckpointMismatch, LoadResult, load_checkpoint
 from .manifest import read_manifest
+from .peers import PeersIncomplete, PeerSnapshot
 from .save import prune, save_checkpoint
 
 __all__ = [
     "CheckpointError",
     "CheckpointMismatch",
     "LoadResult",
+    "PeerSnapshot",
+    "PeersIncomplete",
     "describe",
     "export_checkpoint",
     "iter_tensors",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -51,11 +51,20 @@ Read = tuple[dict[str, Any], int, int, int]
 """(segment, first element in the segment, end element, destination offset)."""
 
 
-class _Plan:
-    """Every read this rank needs, grouped by destination."""
+class Reader(Protocol):
+    """Where a plan's segments come from: rank files (SegmentReader) or peers' host
+    copies (peers.py). ``read`` returns elements [start, end) of the segment."""
 
-    def __init__(self, state: ShardedState, manifest: dict[str, Any], directory: Location):
-        self.directory, self.manifest = directory, manifest
+    def read(self, seg: dict[str, Any], start: int, end: int, what: str) -> torch.Tensor: ...
+
+
+class _Plan:
+    """Every read this rank needs, grouped by destination. ``source`` (a checkpoint
+    directory, or a description of the peers) names the data in error messages; the
+    segments' ``file`` names whatever the reader reads them from."""
+
+    def __init__(self, state: ShardedState, manifest: dict[str, Any], source: Location):
+        self.source, self.manifest = source, manifest
         self.kinds: list[str] = manifest.get("kinds", ["master"])
         by_name = {n: p for p in manifest["params"] for n in p["names"]}
         index: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -64,7 +73,7 @@ class _Plan:
         self.reads: dict[tuple[int, str], list[Read]] = {}
         self.files: set[str] = set()
         for piece in held_pieces(state.units, state.whole):
-            saved = _match(piece, by_name, directory)
+            saved = _match(piece, by_name, source)
             for kind in ["master"] if piece.unit.frozen else self.kinds:
                 segs = index.get((saved["name"], kind), [])
                 self._cover(piece, kind, segs, saved["name"])
@@ -72,7 +81,7 @@ class _Plan:
         for name, buffer in persistent_buffers(state.module):
             segs = index.get((name, "buffer"), [])
             if not segs:
-                raise CheckpointMismatch(f"{directory}: no entry for buffer {name}")
+                raise CheckpointMismatch(f"{source}: no entry for buffer {name}")
             self.buffers.append((buffer, segs[0]))
             self.files.add(segs[0]["file"])
 
@@ -88,11 +97,16 @@ class _Plan:
                 covered += b - a
         if covered != piece.end - piece.start:
             raise CheckpointError(
-                f"{self.directory}: no {kind} data for elements {piece.start}..{piece.end} "
+                f"{self.source}: no {kind} data for elements {piece.start}..{piece.end} "
                 f"of {name} (a rank's file is not listed)"
             )
 
-    def run(self, reader: SegmentReader, apply: ShardedState | None) -> None:
+    def needed(self) -> list[tuple[dict[str, Any], int, int]]:
+        """Every (segment, start, end) that ``run`` reads, in its order."""
+        out = [(seg, a, b) for reads in self.reads.values() for seg, a, b, _ in reads]
+        return out + [(seg, 0, seg["end"]) for _, seg in self.buffers]
+
+    def run(self, reader: Reader, apply: ShardedState | None) -> None:
         """Read (and check) everything; with ``apply``, copy it into that state."""
         for (unit_index, kind), reads in self.reads.items():
             target = _target(apply, unit_index, kind) if apply is not None else None
@@ -108,17 +122,17 @@ class _Plan:
                     buffer.copy_(data.view(buffer.shape))
 
 
-def _match(piece: Piece, by_name: dict[str, dict[str, Any]], directory: Location) -> dict[str, Any]:
+def _match(piece: Piece, by_name: dict[str, dict[str, Any]], source: Location) -> dict[str, Any]:
     for name in piece.slot.names:
         if name in by_name:
             saved = by_name[name]
             if tuple(saved["shape"]) != tuple(piece.slot.shape):
                 raise CheckpointMismatch(
-                    f"{directory}: {name} has shape {tuple(saved['shape'])} in the checkpoint, "
+                    f"{source}: {name} has shape {tuple(saved['shape'])} in the checkpoint, "
                     f"the model has {tuple(piece.slot.shape)}"
                 )
             return saved
-    raise CheckpointMismatch(f"{directory}: no entry for parameter {' / '.join(piece.slot.names)}")
+    raise CheckpointMismatch(f"{source}: no entry for parameter {' / '.join(piece.slot.names)}")
 
 
 def _target(state: ShardedState, unit_index: int, kind: str) -> torch.Tensor:
@@ -167,12 +181,12 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
             assert plan is not None and reader is not None
             _apply(state, plan, reader)
             reader.close()
-            saved = manifest["engine"]
-            counters = Counters(
-                saved["global_steps"], saved["applied_steps"], saved.get("loss_scaler")
-            )
             return LoadResult(
-                directory, manifest["step"], manifest["client_state"], counters, skipped
+                directory,
+                manifest["step"],
+                manifest["client_state"],
+                saved_counters(manifest),
+                skipped,
             )
         if reader is not None:
             reader.close()
@@ -181,18 +195,23 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
     raise CheckpointError(f"{path}: no complete, valid checkpoint ({reasons})")
 
 
-def _check_optimizer(state: ShardedState, manifest: dict[str, Any], directory: Location) -> None:
+def saved_counters(manifest: dict[str, Any]) -> Counters:
+    saved = manifest["engine"]
+    return Counters(saved["global_steps"], saved["applied_steps"], saved.get("loss_scaler"))
+
+
+def _check_optimizer(state: ShardedState, manifest: dict[str, Any], source: Location) -> None:
     saved = manifest.get("optimizer", {}).get("class")
     ours = type(state.optimizer).__name__
     if saved is not None and saved != ours and len(manifest.get("kinds", [])) > 1:
         raise CheckpointMismatch(
-            f"{directory}: optimizer states are {saved}'s; this engine runs {ours}"
+            f"{source}: optimizer states are {saved}'s; this engine runs {ours}"
         )
     groups = manifest.get("optimizer", {}).get("param_groups")
     mine = state.optimizer.param_groups
     if groups is not None and len(groups) != len(mine):
         raise CheckpointMismatch(
-            f"{directory}: optimizer param_groups: the checkpoint has {len(groups)} groups, "
+            f"{source}: optimizer param_groups: the checkpoint has {len(groups)} groups, "
             f"this engine's optimizer factory builds {len(mine)}"
         )
 
@@ -206,9 +225,10 @@ def _restore_group_hyperparameters(state: ShardedState, manifest: dict[str, Any]
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
-def _apply(state: ShardedState, plan: _Plan, reader: SegmentReader) -> None:
+def _apply(state: ShardedState, plan: _Plan, reader: Reader) -> None:
     """Write the checked checkpoint into ``state``'s tensors and this process's random
-    generators; the engine then applies the counters and publishes the parameters."""
+    generators (those of the old rank with this rank's index, where the source has
+    them); the engine then applies the counters and publishes the parameters."""
     for master in state.masters:
         master.data.zero_()  # padding stays zero
     plan.run(reader, apply=state)
@@ -223,7 +243,7 @@ def _apply(state: ShardedState, plan: _Plan, reader: SegmentReader) -> None:
             else:
                 per_param[key] = spec["value"]
     rng = plan.manifest.get("rng", [])
-    if state.rank < len(rng):
+    if state.rank < len(rng) and rng[state.rank] is not None:
         _restore_rng(rng[state.rank])
 
 

@@ -1,0 +1,226 @@
+"""Recovery from peers' host copies, run inside spawned ranks (see zeroservice.launch).
+
+A rank "dies" by returning early; the survivors destroy the old process group and form
+a new one on a fresh FileStore, as a caller would after a failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.checkpoint.scenarios import _train
+from tests.engine.scenarios import Spec, _batches, engine_for
+from zeroservice.checkpoint import PeersIncomplete
+from zeroservice.checkpoint.manifest import step_dir_name
+from zeroservice.checkpoint.peers import ALIGN
+from zeroservice.checkpoint.save import per_element_kinds, snapshot_items
+
+
+def host(k: int) -> dict:
+    return {"redundancy": "host-copy", "redundancy_interval": k}
+
+
+def captured(engine) -> dict:
+    """Everything a restore must reproduce, cloned: masters, every optimizer state,
+    hyperparameters, counters, the published parameters and the RNG."""
+    opt = engine.optimizer.optimizer
+    masters = list(engine.optimizer.masters)
+    return {
+        "masters": [m.detach().clone() for m in masters],
+        "states": [
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[m].items()}
+            for m in masters
+        ],
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "counters": (engine.global_steps, engine.applied_steps),
+        "params": {k: v.clone() for k, v in engine.state_dict().items()},
+        "frozen": [u.flat.clone() for u in engine.units if u.frozen],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def differences(a: dict, b: dict, rng: bool = True) -> list[str]:
+    """Where two captures differ (torch.equal: exact)."""
+    out = []
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        return x == y
+
+    for i, (x, y) in enumerate(zip(a["masters"], b["masters"], strict=True)):
+        if not same(x, y):
+            out.append(f"master {i}")
+    for i, (x, y) in enumerate(zip(a["states"], b["states"], strict=True)):
+        if x.keys() != y.keys():
+            out.append(f"optimizer state keys {i}: {sorted(x)} vs {sorted(y)}")
+        out += [f"optimizer state {i} {k}" for k in x if k in y and not same(x[k], y[k])]
+    for key in ("groups", "counters"):
+        if a[key] != b[key]:
+            out.append(f"{key}: {a[key]} vs {b[key]}")
+    out += [f"param {k}" for k in a["params"] if not same(a["params"][k], b["params"][k])]
+    out += [
+        f"frozen {i}"
+        for i, (x, y) in enumerate(zip(a["frozen"], b["frozen"], strict=True))
+        if not same(x, y)
+    ]
+    if rng and not same(a["rng"], b["rng"]):
+        out.append("rng")
+    return out
+
+
+def own_bytes(engine) -> int:
+    """Bytes of this rank's packed copy, computed from the items it checkpoints."""
+    state = engine._sharded_state()
+    if state.whole:
+        state.rank = 0  # stage 0: every rank copies the whole state, as rank 0 writes it
+    kinds, _ = per_element_kinds(state)
+    items = snapshot_items(state, kinds, copy=False)
+    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in items)
+
+
+def _ledger(engine, op: str) -> int:
+    stats = engine.comm_ledger().entries.get((op, "redundancy"))
+    return stats.payload_bytes if stats is not None else 0
+
+
+def _rejoin(survivors: list[int], old_rank: int, store: str) -> None:
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, len(survivors)),
+        rank=survivors.index(old_rank),
+        world_size=len(survivors),
+    )
+
+
+def _compare(spec: Spec, k: int, held, root: str, step: int, more: int) -> dict:
+    """Restore from ``held`` on a new engine; load ``step`` from disk on another; both
+    train ``more`` steps. Returns the differences and both runs' losses. The RNG is
+    compared except at stage 0, where no copy of a lost rank's generators exists."""
+    restored = engine_for(spec, **host(k))
+    result = restored.restore_from_peers(held)
+    mine = captured(restored)
+    loaded = engine_for(spec, **host(k))
+    disk = loaded.load_checkpoint(Path(root) / step_dir_name(step))
+    ref = captured(loaded)
+    start = result.step
+    losses = _train(restored, spec, range(start, start + more))
+    ref_losses = _train(loaded, spec, range(start, start + more))
+    return {
+        "step": result.step,
+        "disk_step": disk.step,
+        "path": str(result.path),
+        "diffs": differences(mine, ref, rng=spec.stage != 0),
+        "losses": losses,
+        "ref_losses": ref_losses,
+    }
+
+
+def shrink(
+    spec: Spec, k: int, leave: list[int], root: str, store: str, save_at: list[int], steps: int
+) -> dict:
+    """Train ``steps`` with host copies (and disk saves at ``save_at``); the ranks in
+    ``leave`` die; the rest restore from peers at the new world size."""
+    old_rank, world = dist.get_rank(), dist.get_world_size()
+    engine = engine_for(spec, **host(k))
+    ledger = []
+    for step in range(steps):
+        sent, received = _ledger(engine, "send"), _ledger(engine, "recv")
+        _train(engine, spec, range(step, step + 1))
+        if step + 1 in save_at:
+            engine.save_checkpoint(root, keep=10)
+        snap = engine.peer_snapshot()
+        assert snap is not None or (step + 1) % k
+        neighbour_bytes: list = [None] * world
+        dist.all_gather_object(neighbour_bytes, own_bytes(engine))
+        ledger.append(
+            {
+                "step": step + 1,
+                "held": engine.memory_ledger().redundancy_host,
+                "held_copies": snap.nbytes if snap else 0,
+                "snap_step": snap.step if snap else None,
+                "copies": sorted(snap.copies) if snap else [],
+                "own": own_bytes(engine),
+                "neighbour": neighbour_bytes[(old_rank + 1) % world],
+                "sent": _ledger(engine, "send") - sent,
+                "received": _ledger(engine, "recv") - received,
+                "snap_sent": snap.sent_bytes if snap else None,
+                "own_copy": snap.copies[old_rank].nbytes if snap else None,
+            }
+        )
+    held = engine.peer_snapshot()
+    engine.close()
+    if old_rank in leave:
+        dist.destroy_process_group()
+        return {"left": True, "ledger": ledger}
+    survivors = [r for r in range(world) if r not in leave]
+    _rejoin(survivors, old_rank, store)
+    out = {"left": False, "ledger": ledger}
+    expect = held.step if held is not None else 0
+    try:
+        return out | _compare(spec, k, held, root, expect, 2)
+    except PeersIncomplete as exc:
+        return out | {"incomplete": str(exc)}
+
+
+def lost_neighbours(spec: Spec, leave: list[int], store: str, steps: int) -> dict:
+    """Adjacent ranks die: the survivors' copies miss one of them. Every survivor must
+    raise PeersIncomplete and leave the new engine as it was."""
+    old_rank, world = dist.get_rank(), dist.get_world_size()
+    engine = engine_for(spec, **host(1))
+    _train(engine, spec, range(steps))
+    held = engine.peer_snapshot()
+    engine.close()
+    if old_rank in leave:
+        dist.destroy_process_group()
+        return {"left": True}
+    _rejoin([r for r in range(world) if r not in leave], old_rank, store)
+    fresh = engine_for(spec, **host(1))
+    before = captured(fresh)
+    try:
+        fresh.restore_from_peers(held)
+        error = None
+    except PeersIncomplete as exc:
+        error = str(exc)
+    return {"left": False, "error": error, "diffs": differences(before, captured(fresh))}
+
+
+def grow(spec: Spec, root: str, steps: int) -> dict:
+    """Ranks 0 and 1 train on a group of their own (no redundancy) and hand their state
+    to a 3-rank engine that includes newcomer rank 2 (holding None)."""
+    rank = dist.get_rank()
+    old_group = dist.new_group([0, 1])
+    held, ledger = None, None
+    if rank < 2:
+        engine = engine_for(spec, group=old_group)
+        for step in range(steps):
+            x, y = _batches(spec, step)[0]
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.save_checkpoint(root)
+        held = engine.snapshot_now()
+        ledger = {
+            "held": engine.memory_ledger().redundancy_host,
+            "tags": sorted({tag for _, tag in engine.comm_ledger().entries}),
+        }
+        engine.close()
+    return {"ledger": ledger} | _compare(spec, 1, held, root, steps, 2)
+
+
+def snapshot_mid_accumulation() -> list[str]:
+    spec = Spec(stage=2, accum=2)
+    engine = engine_for(spec, **host(1))
+    x, y = _batches(spec, 0)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    out = []
+    for call in (engine.snapshot_now, lambda: engine.restore_from_peers(None)):
+        try:
+            call()
+            out.append("ok")
+        except RuntimeError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out

@@ -1,0 +1,98 @@
+"""Recovery from peers' host memory (redundancy="host-copy"): shrink after a rank dies,
+grow with a newcomer, incomplete copies, and the ledgers. Exact: torch.equal against a
+checkpoint loaded from disk at the same step and world size."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine import peer_scenarios as ps
+from tests.engine.scenarios import Spec
+from zeroservice.config import ConfigError, ZeroConfig
+from zeroservice.launch import run_local
+
+METADATA_BYTES = 64 * 1024
+"""Bound on a copy's metadata message (segments and RNG as JSON) for the tiny GPT."""
+
+
+def _assert_restored(r: dict, step: int) -> None:
+    assert r["path"] == "<peers>"
+    assert r["step"] == r["disk_step"] == step
+    assert r["diffs"] == []
+    assert r["losses"] == r["ref_losses"]  # fp32: bit for bit
+
+
+def _assert_ledger(results: list[dict], stage: int, k: int) -> None:
+    for rank, r in enumerate(results):
+        for row in r["ledger"]:
+            if row["step"] < k:
+                assert row["held"] == 0 and row["sent"] == 0
+                continue
+            assert row["held"] == row["held_copies"]
+            if stage == 0:  # whole state on every rank: nothing exchanged
+                assert row["copies"] == [rank] and row["held"] == row["own"]
+                assert row["sent"] == row["received"] == 0
+                continue
+            assert row["copies"] == sorted({rank, (rank + 1) % len(results)})
+            assert row["held"] == row["own"] + row["neighbour"]
+            if row["step"] % k:
+                assert row["sent"] == row["received"] == 0
+                continue
+            assert row["sent"] == row["snap_sent"]
+            assert row["own_copy"] == row["own"]
+            # sizes (16 bytes), the metadata, then the data
+            assert 16 + row["own"] < row["sent"] <= 16 + row["own"] + METADATA_BYTES
+            assert row["received"] - 16 - row["neighbour"] in range(1, METADATA_BYTES)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_shrink_restores_exactly_from_peers(tmp_path, stage):
+    store = str(tmp_path / "store")
+    results = run_local(
+        ps.shrink, 3, Spec(stage=stage), 1, [1], str(tmp_path / "ckpt"), store, [3], 3
+    )
+    assert results[1]["left"]
+    for r in (results[0], results[2]):
+        _assert_restored(r, 3)
+    _assert_ledger(results, stage, 1)
+
+
+def test_interval_two_loses_at_most_k_steps(tmp_path):
+    store = str(tmp_path / "store")
+    spec = Spec(stage=2)
+    results = run_local(ps.shrink, 3, spec, 2, [1], str(tmp_path / "ckpt"), store, [2, 3], 3)
+    for r in (results[0], results[2]):
+        _assert_restored(r, 2)
+    _assert_ledger(results, 2, 2)
+
+
+def test_grow_hands_newcomers_their_state(tmp_path):
+    results = run_local(ps.grow, 3, Spec(stage=2), str(tmp_path / "ckpt"), 3)
+    for r in results:
+        _assert_restored(r, 3)
+    for r in results[:2]:  # redundancy "none": no copy held, no redundancy traffic
+        assert r["ledger"]["held"] == 0 and "redundancy" not in r["ledger"]["tags"]
+    assert results[2]["ledger"] is None
+
+
+def test_two_lost_neighbours_are_reported_and_change_nothing(tmp_path):
+    results = run_local(ps.lost_neighbours, 4, Spec(stage=2), [1, 2], str(tmp_path / "s"), 2)
+    assert results[1]["left"] and results[2]["left"]
+    for r in (results[0], results[3]):
+        assert r["error"] is not None and "old ranks [2] missing" in r["error"], r["error"]
+        assert r["diffs"] == []
+
+
+def test_refused_mid_accumulation():
+    (a, b) = run_local(ps.snapshot_mid_accumulation, 1)[0]
+    assert "accumulated" in a and "CheckpointError" in a
+    assert "accumulated" in b and "CheckpointError" in b
+
+
+def test_config_checks_redundancy_fields():
+    assert ZeroConfig(redundancy="host-copy", redundancy_interval=3).redundancy_interval == 3
+    with pytest.raises(ConfigError, match="^redundancy:"):
+        ZeroConfig(redundancy="mirror")  # type: ignore[arg-type]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="^redundancy_interval:"):
+            ZeroConfig(redundancy_interval=bad)  # type: ignore[arg-type]

@@ -1,0 +1,312 @@
+"""Restore from peers' host memory instead of a checkpoint file.
+
+[Note: restore from peers]
+A host copy (``PeerSnapshot``) holds, per old rank, exactly what that rank would write
+to a checkpoint (save.snapshot_items), packed into one host buffer, with the manifest
+header and the rank's random generators. After a failure the survivors (and any
+newcomers) form a new group and build a new engine; ``restore_from_peers`` then runs
+over the new group:
+
+1. every rank all-gathers a catalog of what it holds (step, old world, which old
+   ranks' segments: metadata, not data);
+2. the newest step whose holdings cover every old rank is chosen (a stage-0 copy is
+   whole: any holder covers all); if none, every rank raises PeersIncomplete naming
+   the missing old ranks, having changed nothing;
+3. a manifest for that step is assembled from the catalog and planned exactly as a
+   checkpoint load is (load._Plan): each rank learns which element ranges of which
+   old rank's segments its new shards need;
+4. the requests are all-gathered; one holder per old rank (its own process if it
+   survived, else the lowest new rank holding it) sends each requester one packed
+   buffer of the slices it asked for; a rank holding the data reads it locally;
+5. load._apply writes the state, as a file load would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .files import CheckpointError, dtype_of
+from .load import LoadResult, _all_errors, _apply, _check_optimizer, _Plan, saved_counters
+from .save import manifest_header, per_element_kinds, rng_state, snapshot_items
+from .state import ShardedState
+
+if TYPE_CHECKING:
+    from ..comm import Communicator
+
+PEERS = Path("<peers>")
+"""The ``path`` of a LoadResult restored from peers."""
+ALIGN = 8
+"""Segments start at multiples of this in a packed buffer, so any dtype views them."""
+
+
+class PeersIncomplete(CheckpointError):
+    """No step at which the ranks' host copies together cover every old rank; the
+    message names the missing old ranks. Fall back to a checkpoint on disk."""
+
+
+def _label(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _view(buffer: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    return buffer[offset : offset + count * size].view(dtype)
+
+
+@dataclass
+class HeldCopy:
+    """One old rank's checkpoint items at one step, packed into one host buffer:
+    ``segments`` are manifest segments whose ``offset``/``bytes`` point into ``data``."""
+
+    rank: int
+    segments: list[dict[str, Any]]
+    data: torch.Tensor
+    """uint8, host memory."""
+    rng: dict[str, Any] | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def read(self, seg: dict[str, Any], start: int, end: int, what: str) -> torch.Tensor:
+        """Elements [start, end) of one of this copy's segments (a view)."""
+        dtype = dtype_of(seg["dtype"])
+        size = torch.empty((), dtype=dtype).element_size()
+        return _view(self.data, seg["offset"] + start * size, end - start, dtype)
+
+    def meta(self) -> dict[str, Any]:
+        """Everything but the data, as plain JSON."""
+        return {"rank": self.rank, "segments": self.segments, "rng": self.rng}
+
+
+@dataclass
+class PeerSnapshot:
+    """What a rank holds in host memory at one step: its own copy and (ring
+    redundancy) its neighbour's. Plain tensors and dicts: valid after the engine is
+    closed and its process group destroyed."""
+
+    step: int
+    world: int
+    """The data-parallel world size the copies were taken at."""
+    own: int
+    """The old rank that took it (its own copy is ``copies[own]``)."""
+    whole: bool
+    """Stage 0: each copy holds the whole state (any one covers every old rank)."""
+    header: dict[str, Any]
+    """The manifest header (params, kinds, optimizer, counters): save.manifest_header."""
+    copies: dict[int, HeldCopy] = field(default_factory=dict)
+    """By old rank."""
+    sent_bytes: int = 0
+    """Bytes this rank sent to its neighbour for this copy (data and metadata)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the copies' buffers."""
+        return sum(c.nbytes for c in self.copies.values())
+
+    def catalog(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "world": self.world,
+            "own": self.own,
+            "whole": self.whole,
+            "header": self.header,
+            "copies": {r: c.meta() for r, c in self.copies.items()},
+        }
+
+
+def pack(rank: int, items: list[tuple[dict[str, Any], torch.Tensor]], rng) -> HeldCopy:
+    """Copy ``items`` (save.snapshot_items) into one aligned host buffer."""
+    segments, offset = [], 0
+    for meta, data in items:
+        n = data.numel() * data.element_size()
+        dtype = str(data.dtype).removeprefix("torch.")
+        segments.append(meta | {"file": _label(rank), "offset": offset, "bytes": n, "dtype": dtype})
+        offset = _aligned(offset + n)
+    buffer = torch.zeros(offset, dtype=torch.uint8)
+    for seg, (_, data) in zip(segments, items, strict=True):
+        raw = data.detach().reshape(-1).contiguous().view(torch.uint8)
+        buffer[seg["offset"] : seg["offset"] + seg["bytes"]].copy_(raw)
+    return HeldCopy(rank, segments, buffer, rng)
+
+
+def take_copy(state: ShardedState) -> PeerSnapshot:
+    """This rank's own checkpoint items now, in host memory (no collective). Stage 0:
+    the whole state, as rank 0 would write it."""
+    if state.pending_micro_steps:
+        raise CheckpointError(
+            f"snapshot: {state.pending_micro_steps} micro-batch(es) accumulated since the "
+            "last step; take it after engine.step() completes an optimizer step"
+        )
+    kinds, scalars = per_element_kinds(state)
+    writer = dataclasses.replace(state, rank=0) if state.whole else state
+    # copy=False: pack() is the copy, one host buffer, with no second staging copy.
+    own = pack(state.rank, snapshot_items(writer, kinds, copy=False), rng_state())
+    header = manifest_header(state, kinds, scalars, None)
+    step, world = state.counters.global_steps, state.world
+    return PeerSnapshot(step, world, state.rank, state.whole, header, {state.rank: own})
+
+
+def _choose(catalogs: list[dict[str, Any] | None]) -> tuple[dict[str, Any], dict[int, int]]:
+    """The newest (step, world) fully covered, and for each old rank the new rank that
+    serves it. Raises PeersIncomplete (the same on every rank: all see the catalogs)."""
+    by_key: dict[tuple[int, int], list[int]] = {}
+    for new, cat in enumerate(catalogs):
+        if cat is not None:
+            by_key.setdefault((cat["step"], cat["world"]), []).append(new)
+    if not by_key:
+        raise PeersIncomplete("<peers>: no rank holds a host copy; load a checkpoint")
+    missing_at: list[str] = []
+    for step, world in sorted(by_key, reverse=True):
+        holders = by_key[(step, world)]
+        cats: dict[int, dict[str, Any]] = {n: catalogs[n] for n in holders}  # type: ignore[misc]
+        if cats[holders[0]]["whole"]:
+            serve = {cats[holders[0]]["own"]: holders[0]}
+            return _manifest(cats, step, world, serve), serve
+        # Each old rank from its own process if it survived, else the lowest new rank.
+        serve = {cats[n]["own"]: n for n in holders}
+        for new in holders:
+            for old in cats[new]["copies"]:
+                serve.setdefault(old, new)
+        missing = [r for r in range(world) if r not in serve]
+        if not missing:
+            return _manifest(cats, step, world, serve), serve
+        missing_at.append(f"step {step} (world {world}): old ranks {missing} missing")
+    raise PeersIncomplete(
+        "<peers>: no step at which the survivors' host copies cover every old rank: "
+        + "; ".join(missing_at)
+        + "; load a checkpoint instead"
+    )
+
+
+def _manifest(
+    cats: dict[int, dict[str, Any]], step: int, world: int, serve: dict[int, int]
+) -> dict[str, Any]:
+    """A manifest for ``step`` assembled from the holders' catalogs (load._Plan reads
+    it); the random generators of every old rank that any holder has."""
+    header = cats[serve[min(serve)]]["header"]
+    rng: list[dict[str, Any] | None] = [None] * world
+    for cat in cats.values():
+        for old, meta in cat["copies"].items():
+            rng[old] = meta["rng"]
+    segments = [
+        seg for old, new in sorted(serve.items()) for seg in cats[new]["copies"][old]["segments"]
+    ]
+    assert header["step"] == step
+    return header | {"segments": segments, "rng": rng, "files": {}, "client_state": {}}
+
+
+def _key(seg: dict[str, Any], start: int, end: int) -> tuple[str, int, int, int]:
+    return (seg["file"], seg["offset"], start, end)
+
+
+class _Fetched:
+    """The slices this rank asked for, by (file, offset, start, end): a load.Reader."""
+
+    def __init__(self) -> None:
+        self.slices: dict[tuple[str, int, int, int], torch.Tensor] = {}
+
+    def read(self, seg: dict[str, Any], start: int, end: int, what: str) -> torch.Tensor:
+        return self.slices[_key(seg, start, end)]
+
+
+def _nbytes(request: list[Any]) -> int:
+    _, _, _, start, end, dtype = request
+    return (end - start) * torch.empty((), dtype=dtype_of(dtype)).element_size()
+
+
+def _exchange(
+    held: PeerSnapshot | None,
+    needed: list[tuple[dict[str, Any], int, int]],
+    serve: dict[int, int],
+    comm: Communicator,
+    group,
+    tag: str,
+) -> _Fetched:
+    """Point-to-point: every rank receives the slices it needs from their holders."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    by_label = {_label(old): old for old in serve}
+    mine = [
+        [serve[by_label[seg["file"]]], seg["file"], seg["offset"], a, b, seg["dtype"]]
+        for seg, a, b in needed
+    ]
+    requests: list[Any] = [None] * world
+    dist.all_gather_object(requests, mine, group=group)
+    fetched = _Fetched()
+    copies = {_label(r): c for r, c in held.copies.items()} if held is not None else {}
+
+    def local(request) -> torch.Tensor:
+        _, file, offset, a, b, dtype = request
+        seg = {"offset": offset, "dtype": dtype}
+        return copies[file].read(seg, a, b, file)
+
+    pending, unpack = [], []
+    for peer in range(world):
+        if peer == me:
+            for r in mine:
+                if r[0] == me:
+                    fetched.slices[(r[1], r[2], r[3], r[4])] = local(r)
+            continue
+        wanted = [r for r in requests[peer] if r[0] == me]  # I serve these to peer
+        if wanted:
+            offsets, total = [], 0
+            for r in wanted:
+                offsets.append(total)
+                total = _aligned(total + _nbytes(r))
+            out = torch.zeros(total, dtype=torch.uint8)
+            for r, off in zip(wanted, offsets, strict=True):
+                out[off : off + _nbytes(r)].copy_(local(r).reshape(-1).view(torch.uint8))
+            pending.append(comm.send(out, peer, tag))
+        asked = [r for r in mine if r[0] == peer]
+        if asked:
+            offsets, total = [], 0
+            for r in asked:
+                offsets.append(total)
+                total = _aligned(total + _nbytes(r))
+            into = torch.empty(total, dtype=torch.uint8)
+            pending.append(comm.recv(into, peer, tag))
+            unpack.append((into, asked, offsets))
+    for p in pending:
+        p.wait()
+    for into, asked, offsets in unpack:
+        for r, off in zip(asked, offsets, strict=True):
+            fetched.slices[(r[1], r[2], r[3], r[4])] = _view(into, off, r[4] - r[3], dtype_of(r[5]))
+    return fetched
+
+
+def restore_from_peers(
+    state: ShardedState, held: PeerSnapshot | None, comm: Communicator, tag: str = "load"
+) -> LoadResult:
+    """Collective over ``state.group`` (the new group): restore ``state`` from what the
+    ranks hold. See [Note: restore from peers]. The caller applies the counters and
+    publishes the parameters, as after ``load_checkpoint``."""
+    if state.pending_micro_steps:
+        raise CheckpointError("restore: gradients are being accumulated; restore between steps")
+    group = state.group
+    catalog = held.catalog() if held is not None else None
+    catalogs: list[Any] = [None] * state.world
+    dist.all_gather_object(catalogs, catalog, group=group)
+    manifest, serve = _choose(catalogs)
+    error, plan = None, None
+    try:
+        _check_optimizer(state, manifest, PEERS)
+        plan = _Plan(state, manifest, PEERS)
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = _all_errors(error, group)
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    assert plan is not None
+    fetched = _exchange(held, plan.needed(), serve, comm, group, tag)
+    _apply(state, plan, fetched)
+    return LoadResult(PEERS, manifest["step"], {}, saved_counters(manifest))

@@ -1,0 +1,74 @@
+"""Host copies of the training state on peers (``redundancy="host-copy"``).
+
+After every K-th optimizer step each rank copies what it would write to a checkpoint
+into host memory and exchanges it along a ring of the DP group: rank r sends its copy
+to rank (r - 1) mod N and receives rank (r + 1) mod N's. Every rank then holds its own
+state and its neighbour's at the same step, so any single lost rank (or any set of
+non-adjacent ones) can be rebuilt by the survivors from memory
+(checkpoint/peers.py) instead of a file. A rank keeps its previous copy until the new
+one is complete, then swaps. Stage 0 keeps whole masters on every rank: each rank's
+copy is the whole state already, and nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import comm as comm_
+from .checkpoint.peers import HeldCopy, PeerSnapshot, take_copy
+from .checkpoint.state import ShardedState
+
+TAG = "redundancy"
+
+
+class HostCopies:
+    """The latest complete host copy of this rank (its own and its neighbour's)."""
+
+    def __init__(self, interval: int, comm: comm_.Communicator):
+        self.interval, self.comm = interval, comm
+        self.held: PeerSnapshot | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the copies held now (own + neighbour), exactly."""
+        return self.held.nbytes if self.held is not None else 0
+
+    def after_step(self, state: ShardedState) -> None:
+        """Refresh after every ``interval``-th step (a collective on the DP group)."""
+        if state.counters.global_steps % self.interval == 0:
+            self.refresh(state)
+
+    def refresh(self, state: ShardedState) -> None:
+        snapshot = take_copy(state)
+        if not state.whole and state.world > 1:
+            neighbour = self._exchange(snapshot)
+            snapshot.copies[neighbour.rank] = neighbour
+        self.held = snapshot  # swapped only once complete; the old copy goes now
+
+    def _exchange(self, snapshot: PeerSnapshot) -> HeldCopy:
+        """Send this rank's copy to (r - 1) mod N, receive (r + 1) mod N's: its sizes,
+        its metadata (segments, RNG) as JSON, its data, each one message."""
+        rank, world = self.comm.rank, self.comm.world
+        dst, src = (rank - 1) % world, (rank + 1) % world
+        own = snapshot.copies[snapshot.own]
+        meta = json.dumps(own.meta()).encode()
+        sizes = torch.tensor([len(meta), own.nbytes], dtype=torch.int64)
+        their_sizes = torch.empty(2, dtype=torch.int64)
+        comm_.wait_all([self.comm.send(sizes, dst, TAG), self.comm.recv(their_sizes, src, TAG)])
+        meta_len, data_len = (int(x) for x in their_sizes)
+        their_meta = torch.empty(meta_len, dtype=torch.uint8)
+        their_data = torch.empty(data_len, dtype=torch.uint8)
+        pending = [
+            self.comm.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst, TAG),
+            self.comm.recv(their_meta, src, TAG),
+        ]
+        if own.nbytes:
+            pending.append(self.comm.send(own.data, dst, TAG))
+        if data_len:
+            pending.append(self.comm.recv(their_data, src, TAG))
+        comm_.wait_all(pending)
+        snapshot.sent_bytes = sizes.numel() * 8 + len(meta) + own.nbytes
+        got = json.loads(bytes(their_meta.numpy()))
+        return HeldCopy(got["rank"], got["segments"], their_data, got["rng"])
