@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.checkpoint.scenarios import _train
-from tests.engine.scenarios import Spec, _batches, engine_for
+from tests.engine.scenarios import Spec, _batches, _model, engine_for
 from zeroservice.checkpoint import PeersIncomplete
 from zeroservice.checkpoint.manifest import step_dir_name
 from zeroservice.checkpoint.peers import ALIGN
@@ -20,6 +20,22 @@ from zeroservice.checkpoint.save import per_element_kinds, snapshot_items
 
 def host(k: int) -> dict:
     return {"redundancy": "host-copy", "redundancy_interval": k}
+
+
+def _engine(spec: Spec, variant: str, **config):
+    """``variant`` "frozen": the GPT with its position embedding frozen and a persistent
+    buffer (which ``_tick`` changes every step), so both must come back too."""
+    model = _model(spec)
+    if variant == "frozen":
+        model.wpe.requires_grad_(False)
+        model.register_buffer("ticks", torch.zeros(5))
+    return engine_for(spec, model=model, **config)
+
+
+def _tick(engine) -> None:
+    if hasattr(engine.module, "ticks"):
+        with torch.no_grad():
+            engine.module.ticks += 1
 
 
 def captured(engine) -> dict:
@@ -96,14 +112,20 @@ def _rejoin(survivors: list[int], old_rank: int, store: str) -> None:
     )
 
 
-def _compare(spec: Spec, k: int, held, root: str, step: int, more: int) -> dict:
+def _compare(
+    spec: Spec, k: int, held, root: str, step: int, more: int, variant: str = "plain"
+) -> dict:
     """Restore from ``held`` on a new engine; load ``step`` from disk on another; both
     train ``more`` steps. Returns the differences and both runs' losses. The RNG is
     compared except at stage 0, where no copy of a lost rank's generators exists."""
-    restored = engine_for(spec, **host(k))
+    restored = _engine(spec, variant, **host(k))
+    with torch.no_grad():  # frozen weights too must come from the peers
+        for unit in restored.units:
+            if unit.frozen:
+                unit.flat.normal_()
     result = restored.restore_from_peers(held)
     mine = captured(restored)
-    loaded = engine_for(spec, **host(k))
+    loaded = _engine(spec, variant, **host(k))
     disk = loaded.load_checkpoint(Path(root) / step_dir_name(step))
     ref = captured(loaded)
     start = result.step
@@ -114,21 +136,31 @@ def _compare(spec: Spec, k: int, held, root: str, step: int, more: int) -> dict:
         "disk_step": disk.step,
         "path": str(result.path),
         "diffs": differences(mine, ref, rng=spec.stage != 0),
+        "ticks": mine["params"]["ticks"].tolist() if "ticks" in mine["params"] else None,
+        "frozen_units": len(mine["frozen"]),
         "losses": losses,
         "ref_losses": ref_losses,
     }
 
 
 def shrink(
-    spec: Spec, k: int, leave: list[int], root: str, store: str, save_at: list[int], steps: int
+    spec: Spec,
+    k: int,
+    leave: list[int],
+    root: str,
+    store: str,
+    save_at: list[int],
+    steps: int,
+    variant: str = "plain",
 ) -> dict:
     """Train ``steps`` with host copies (and disk saves at ``save_at``); the ranks in
     ``leave`` die; the rest restore from peers at the new world size."""
     old_rank, world = dist.get_rank(), dist.get_world_size()
-    engine = engine_for(spec, **host(k))
+    engine = _engine(spec, variant, **host(k))
     ledger = []
     for step in range(steps):
         sent, received = _ledger(engine, "send"), _ledger(engine, "recv")
+        _tick(engine)
         _train(engine, spec, range(step, step + 1))
         if step + 1 in save_at:
             engine.save_checkpoint(root, keep=10)
@@ -161,7 +193,7 @@ def shrink(
     out = {"left": False, "ledger": ledger}
     expect = held.step if held is not None else 0
     try:
-        return out | _compare(spec, k, held, root, expect, 2)
+        return out | _compare(spec, k, held, root, expect, 2, variant)
     except PeersIncomplete as exc:
         return out | {"incomplete": str(exc)}
 

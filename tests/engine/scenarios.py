@@ -91,8 +91,9 @@ def reference_losses(spec: Spec) -> tuple[list[float], dict[str, torch.Tensor]]:
     return run.losses, run.state
 
 
-def engine_for(spec: Spec, optimizer=None, group=None, **config_extra):
-    """The spec's engine; ``config_extra``: further ZeroConfig fields."""
+def engine_for(spec: Spec, optimizer=None, group=None, model=None, **config_extra):
+    """The spec's engine (on ``model``, default the spec's GPT); ``config_extra``:
+    further ZeroConfig fields."""
     config = ZeroConfig(
         stage=spec.stage,
         precision=spec.precision,
@@ -110,7 +111,7 @@ def engine_for(spec: Spec, optimizer=None, group=None, **config_extra):
         **config_extra,
     )
     return zeroservice.initialize(
-        _model(spec), config, optimizer=optimizer or _adamw(spec), group=group
+        model or _model(spec), config, optimizer=optimizer or _adamw(spec), group=group
     )
 
 

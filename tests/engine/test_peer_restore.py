@@ -57,6 +57,17 @@ def test_shrink_restores_exactly_from_peers(tmp_path, stage):
     _assert_ledger(results, stage, 1)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_shrink_restores_frozen_weights_and_buffers(tmp_path, stage):
+    store, root = str(tmp_path / "store"), str(tmp_path / "ckpt")
+    results = run_local(ps.shrink, 3, Spec(stage=stage), 1, [1], root, store, [3], 3, "frozen")
+    for r in (results[0], results[2]):
+        _assert_restored(r, 3)
+        assert r["ticks"] == [3.0] * 5  # the buffer at the step, not the fresh engine's
+        assert r["frozen_units"] >= 1
+    _assert_ledger(results, stage, 1)
+
+
 def test_interval_two_loses_at_most_k_steps(tmp_path):
     store = str(tmp_path / "store")
     spec = Spec(stage=2)
