@@ -4,7 +4,8 @@ cluster shares no Ray state with other tests.
 A control plane (the API service and its scheduler, on SQLite) runs one job with host
 copies (``engine.redundancy: host-copy``) on a ``ray.cluster_utils.Cluster`` of a head
 and two 1-CPU nodes (dp 2, min_dp 1, one replica per node). A seeded schedule injects
-one fault each time the job's newest checkpoint passes the next mark: a rank's process
+one fault each time the job's newest checkpoint moved ``SPACING`` steps past the
+previous fault and its group is whole again: a rank's process
 SIGKILLed or SIGSTOPped, a rank's node removed (and a node added back once the job
 shrank), the supervisor's process SIGKILLed, the API service discarded and started
 again on the same store, or the checkpoint file system filled up just before a save
@@ -26,6 +27,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,17 +35,21 @@ from typing import Any
 
 SPEC: dict[str, Any] = {
     "name": "chaos",
-    "model": {"vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32},
+    "model": {"vocab_size": 256, "seq_len": 128, "n_layer": 2, "n_head": 4, "dim": 128},
     "engine": {"stage": 2, "redundancy": "host-copy", "redundancy_interval": 1},
-    "micro_batch": 2,
+    "micro_batch": 8,
     "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1},
-    "checkpoint": {"interval_steps": 10, "keep": 2},
+    "checkpoint": {"interval_steps": 5, "keep": 2},
     "timeouts": {"bootstrap_s": 60, "step_s": 8},
     "max_restarts": 1000,
 }
 KINDS = ["rank_kill", "rank_stop", "node", "supervisor", "api", "disk_full"]
-MARK_STEPS = 20
-"""Checkpointed steps between two faults."""
+SPACING = 10
+"""Checkpointed steps of progress between a fault and the next one."""
+STEPS_PER_FAULT = 60
+"""The job's length per fault: room for the spacing and the steps a recovery takes;
+faults stop ``STEPS_PER_FAULT`` steps before the end, so the last ones may be left
+out on a slow machine (the summary lists those injected)."""
 
 
 def _mount_tmpfs(path: Path, size_mib: int) -> bool:
@@ -94,7 +100,7 @@ def main(seed: int, faults: int) -> dict[str, Any]:
     cluster.wait_for_nodes()
     plan = _schedule(faults, seed, mounted)
     rng = random.Random(seed + 1)
-    spec = dict(SPEC, steps=MARK_STEPS * (len(plan) + 2))
+    spec = dict(SPEC, steps=STEPS_PER_FAULT * (len(plan) + 1))
     store = f"sqlite:///{workdir / 'store.db'}"
     settings = {"checkpoint_root": str(disk / "checkpoints")}
     injected: list[dict[str, Any]] = []
@@ -111,6 +117,7 @@ def main(seed: int, faults: int) -> dict[str, Any]:
             return attach(job_id)
 
         def events() -> list[dict[str, Any]]:
+            h.tick()
             out: list[dict[str, Any]] = []
             while True:
                 page = h.client.get(
@@ -138,10 +145,14 @@ def main(seed: int, faults: int) -> dict[str, Any]:
         def explain():
             return job(), ray.available_resources()
 
-        for i, kind in enumerate(plan):
-            mark = MARK_STEPS * (i + 1)
+        mark = 0
+        for kind in plan:
+            mark += SPACING
             wait_for(lambda m=mark: job()["step"] >= m, 300, f"step {mark}", explain)
             members = wait_for(full_group, 300, "a full group", explain)
+            mark = job()["step"]
+            if mark > spec["steps"] - STEPS_PER_FAULT:
+                break
             victim = rng.choice(members)
             fault: dict[str, Any] = {"kind": kind, "at_step": job()["step"]}
             if kind == "rank_kill":
@@ -149,7 +160,7 @@ def main(seed: int, faults: int) -> dict[str, Any]:
             elif kind == "rank_stop":
                 os.kill(victim["pid"], signal.SIGSTOP)
             elif kind == "node":
-                node = next(n for n in nodes if n.unique_id == victim["node_id"])
+                node = next(n for n in nodes if n.node_id == victim["node_id"])
                 cluster.remove_node(node)
                 nodes.remove(node)
                 wait_for(lambda: job()["current_dp"] == 1, 300, "the shrink", explain)
@@ -175,6 +186,7 @@ def main(seed: int, faults: int) -> dict[str, Any]:
                 )
                 ballast.unlink()
             injected.append(fault)
+            print(f"fault {len(injected)}: {fault}", file=sys.stderr, flush=True)
         done = wait_for(
             lambda: (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job()),
             600,
