@@ -125,6 +125,9 @@ class JobController:
         self.cancel_reason = "cancelled by request"
         self.state: State = initial or Queued()
         self.callbacks: list[Callback] = [self._record_status, self._end_tracking]
+        self.unsaved: list[dict[str, Any]] = []
+        """History points since the last checkpoint: the next save carries them (see
+        ``RankSetup.history``)."""
         if initial is not None:  # a machine that begins elsewhere (a replaced supervisor)
             record.set_status(initial.kind, initial.reason, initial.message)
 
@@ -261,6 +264,7 @@ class JobController:
     def _started(self, group: WorkerGroup) -> State:
         mp = self.spec.resources.mp
         first = group.setups[0]
+        self._carried(first.history, first.start_step)
         with self.record.lock:
             self.record.step = first.start_step
         origin = (
@@ -328,7 +332,8 @@ class JobController:
         next chunk's save tries again; after the last step it is tried again up to
         ``FINAL_SAVE_TRIES`` times. See [Note: failed save]."""
         spec, group = self.spec, state.group
-        stop, saves = self._watch(group, "save", spec.checkpoint.keep)
+        carried = [p for p in self.unsaved if p["step"] <= step]
+        stop, saves = self._watch(group, "save", spec.checkpoint.keep, carried)
         if stop is not None:
             return self._interrupted(group, stop)
         failed = [s.error for s in saves if s.error]
@@ -343,6 +348,7 @@ class JobController:
                 )
             return Running(group=group, step=step, message=state.message, failed_saves=tries)
         path = saves[0].path
+        self.unsaved = [p for p in self.unsaved if p["step"] > step]
         with self.record.lock:
             self.record.step = step
         self.record.event("checkpoint", "saved", f"step {step}: {path}", path=path)
@@ -388,9 +394,18 @@ class JobController:
         shown = "-" if loss is None else f"{loss:.4f}"
         self.record.line(f"step {target}/{spec.steps} loss {shown} {rate:,.0f} tokens/s dp {dp}")
 
+    def _carried(self, points: list[dict[str, Any]], step: int) -> None:
+        """The points a loaded checkpoint carries: the control plane keeps each step
+        once, so those it has are harmless, and those a lost supervisor held are back.
+        Points past ``step`` (the ranks resume there) are trained again."""
+        self.unsaved = [p for p in self.unsaved if p["step"] <= step]
+        if points:
+            self.record.add_points(points)
+
     def _add_points(self, chunks: list[RankChunk], dp: int) -> None:
         """The chunk's per-step history, kept and sent to experiment tracking."""
         points = step_points(chunks, self.spec.resources.mp, dp)
+        self.unsaved += points
         self.record.add_points(points)
         self.tracker.steps(points)
 
@@ -446,6 +461,7 @@ class JobController:
         group.setups = setups
         first = setups[0]
         seconds = time.monotonic() - t0
+        self._carried(first.history, first.start_step)
         if first.unreported is not None:  # steps whose chunk was lost with the rank
             self.record.add_chunk([first.unreported], {})
             self._add_points([first.unreported], before)

@@ -66,6 +66,10 @@ class RankSetup:
     """After a live shrink: the steps up to the restored one that the rank trained in a
     chunk its caller never received (their values are over every replica, see
     ``RankWorker._agree_step``), so that no step is missing from the history."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The job's history points of the steps the loaded checkpoint holds since the one
+    before it (saved in its client state): a supervisor that died before the control
+    plane read them has them back this way."""
     fallback: str = ""
     """Set by a live resize that could not restore from the peers' memory: why, and so
     ``loaded`` is the checkpoint it loaded instead."""

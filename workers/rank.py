@@ -78,6 +78,8 @@ class RankWorker:
         self._last_chunk: RankChunk | None = None
         self._unreported: list[dict[str, Any]] = []
         """This chunk's step reports so far (see ``RankSetup.unreported``)."""
+        self._loaded_history: list[dict[str, Any]] = []
+        """The history points the loaded checkpoint carries (see ``RankSetup.history``)."""
 
     # -- placement and bootstrap ---------------------------------------------------------
     def address(self) -> dict[str, Any]:
@@ -229,6 +231,7 @@ class RankWorker:
             return None
         self.step = int(result.client_state.get("step", result.step))
         self.tokens = int(result.client_state.get("tokens", 0))
+        self._loaded_history = list(result.client_state.get("history", []))
         return str(result.path)
 
     def _ready(
@@ -269,7 +272,9 @@ class RankWorker:
             metrics=f"{node_ip}:{metrics_port}",
             psi=engine.psi,
             fallback=fallback,
+            history=self._loaded_history,
         )
+        self._loaded_history = []
         return self._setup
 
     # -- training -------------------------------------------------------------------------
@@ -448,7 +453,7 @@ class RankWorker:
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save(self, keep: int) -> RankSaved:
+    def save(self, keep: int, history: list[dict[str, Any]] | None = None) -> RankSaved:
         """Save on every rank; a save that failed (a full disk) is reported, not
         raised: training goes on from the previous checkpoint's safety net."""
         from zeroservice.checkpoint import SaveFailed
@@ -458,7 +463,13 @@ class RankWorker:
             self._phase = RankPhase.CHECKPOINT
             try:
                 path = self.engine.save_checkpoint(
-                    self.root, client_state={"step": self.step, "tokens": self.tokens}, keep=keep
+                    self.root,
+                    client_state={
+                        "step": self.step,
+                        "tokens": self.tokens,
+                        "history": history or [],
+                    },
+                    keep=keep,
                 )
             except SaveFailed as exc:
                 return RankSaved(None, str(exc))

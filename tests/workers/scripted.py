@@ -17,6 +17,8 @@ class Script:
     the faults to inject, keyed by (attempt, rank, step)."""
 
     saved: int = 0
+    saved_history: list[dict[str, Any]] = field(default_factory=list)
+    """The history points the newest save carries."""
     kill: set[tuple[int, int, int]] = field(default_factory=set)
     freeze: set[tuple[int, int, int]] = field(default_factory=set)
     error: set[tuple[int, int, int]] = field(default_factory=set)
@@ -61,7 +63,13 @@ class ScriptedRank:
         loaded = f"step-{self.step:08d}" if self.step else None
         self.phase = "ready"
         self.setup_info = RankSetup(
-            self.rank, self.rank, 0, self.step, loaded, f"127.0.0.1:{9000 + self.rank}"
+            self.rank,
+            self.rank,
+            0,
+            self.step,
+            loaded,
+            f"127.0.0.1:{9000 + self.rank}",
+            history=list(self.script.saved_history),
         )
         return self.setup_info
 
@@ -132,12 +140,13 @@ class ScriptedRank:
         ]
         return RankChunk(self.rank, self.step, losses, {"tokens_per_second": 1.0}, steps)
 
-    def save(self, keep: int) -> RankSaved:
+    def save(self, keep: int, history: list[dict[str, Any]] | None = None) -> RankSaved:
         path = f"/ckpt/step-{self.step:08d}"
         if self.step in self.script.full_disk:
             return RankSaved(None, f"{path}: save failed: rank 1: ENOSPC: No space left on device")
         if self.rank == 0:
             self.script.saved = self.step
+            self.script.saved_history = list(history or [])
             if self.script.on_save:
                 self.script.on_save(self.step)
         self.saved_step = self.step

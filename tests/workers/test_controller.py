@@ -229,6 +229,20 @@ def test_a_replacement_supervisor_goes_on_from_the_newest_checkpoint():
     assert sorted(record.losses) == [9, 10, 11, 12] and record.restarts == 1
 
 
+def test_a_checkpoint_carries_the_points_since_the_one_before():
+    """A supervisor lost before the control plane read its last points: the new one
+    gets them back from the checkpoint it resumes from."""
+    script = Script()
+    spec = tiny_job(steps=12)
+    first = _controller(spec, scripted_pool(script, 2))
+    _steps(first, 4)  # steps 1-8 saved at 4 and 8
+    assert [p["step"] for p in script.saved_history] == [5, 6, 7, 8]
+    record = JobRecord("job", 1, spec.steps, "/ckpt")
+    ctl = JobController(spec, scripted_pool(script, 2), record, initial=replacing_supervisor(1))
+    ctl.run()
+    assert [p["step"] for p in record.history_since(0)[0]] == list(range(5, 13))
+
+
 def _orphan(script, pool, trained_to):
     """The group a lost supervisor left: set up, trained to ``trained_to``, saved at
     the step before the last chunk."""
