@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,9 +81,10 @@ def short(exc: BaseException | None, limit: int = 600) -> str:
     return out[-limit:]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Seat:
-    """A bundle of one of the group's placements: where a rank actor runs."""
+    """A bundle of one of the group's placements: where a rank actor runs (compared
+    and hashed by identity: each bundle has one Seat)."""
 
     placement: Placement
     bundle: int
@@ -101,6 +103,10 @@ class RayWorkerGroup:
         self.placements = [placement]
         self.seats = [Seat(placement, r // mp) for r in range(len(actors))]
         self.vacant: list[Seat] = []
+        self.spares: dict[Seat, tuple[Any, Any]] = {}
+        """Newcomers started on vacant seats: (actor, its address() call)."""
+        self.start_actor: Callable[[Seat], Any] | None = None
+        """Starts a newcomer's actor on a seat (set by the pool)."""
         self.dp, self.world = placement.dp, len(actors)
         self.setups: list[RankSetup] = []
         self.addresses: list[dict[str, Any]] = []
@@ -164,6 +170,10 @@ class RayWorkerGroup:
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+        for actor, _ in self.spares.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self.spares.clear()
         for placement in self.placements:
             placement.remove()
 
@@ -189,7 +199,45 @@ class RayWorkerGroup:
         return True
 
     def vacancies(self) -> int:
-        return len(self.usable_vacancies())
+        """Vacant seats whose newcomer is up. A newcomer is started on every usable
+        vacancy as soon as it is seen, so that growing waits for no actor's start (the
+        group trains meanwhile)."""
+        for seat in self.usable_vacancies():
+            if seat not in self.spares and self.start_actor is not None:
+                actor = self.start_actor(seat)
+                self.spares[seat] = (actor, actor.address.remote())
+        ready = 0
+        for seat, (actor, ref) in list(self.spares.items()):
+            done, _ = ray.wait([ref], timeout=0)
+            if not done:
+                continue
+            try:
+                ray.get(ref)
+                ready += 1
+            except Exception:  # it died starting: the seat is tried again later
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                del self.spares[seat]
+        return ready
+
+    def take_spares(self, count: int) -> int:
+        """Seat up to ``count`` newcomers that are up; returns how many."""
+        taken = 0
+        for seat, (actor, ref) in list(self.spares.items()):
+            if taken == count:
+                break
+            done, _ = ray.wait([ref], timeout=0)
+            if not done:
+                continue
+            try:
+                address = ray.get(ref)
+            except Exception:
+                continue
+            del self.spares[seat]
+            self.vacant.remove(seat)
+            self.add(actor, seat, address)
+            taken += 1
+        return taken
 
     def usable_vacancies(self) -> list[Seat]:
         """Vacant seats whose bundle sits on a live node (a seat whose node was removed
@@ -279,6 +327,9 @@ class RayWorkerPool:
     def _group(self, placement: Placement, actors: list[Any]) -> RayWorkerGroup:
         group = RayWorkerGroup(placement, actors, self.spec.resources.mp, self.root)
         group.timeout = self.spec.timeouts.bootstrap_s
+        group.start_actor = lambda seat: self._actor(
+            seat, rank_name(self.job_id, uuid.uuid4().hex[:8], seat.bundle, 0), 0
+        )
         return group
 
     def _actor(self, seat: Seat, name: str, rank: int) -> Any:
@@ -308,13 +359,15 @@ class RayWorkerPool:
         lost after a live resize finds no single complete attempt to adopt and goes on
         from the checkpoint (see ``adopt``)."""
         attempt = uuid.uuid4().hex[:8]
-        seats = group.usable_vacancies()[:count]
-        if len(seats) < count and self.spec.resources.mp == 1:
+        added = group.take_spares(count)
+        seats = [s for s in group.usable_vacancies() if s not in group.spares]
+        seats = seats[: count - added]
+        if added + len(seats) < count and self.spec.resources.mp == 1:
             extra = place(
                 self.job_id,
                 self.spec.resources,
                 1,
-                count - len(seats),
+                count - added - len(seats),
                 wait_s=5.0,
                 settle_s=0.0,
                 name=f"{placement_name(self.job_id, 0)[:-1]}grow-{attempt}",
@@ -322,7 +375,6 @@ class RayWorkerPool:
             if extra is not None:
                 group.placements.append(extra)
                 seats += [Seat(extra, b) for b in range(extra.dp)]
-        added = 0
         for seat in seats:
             rank = group.world
             actor = self._actor(seat, rank_name(self.job_id, attempt, rank, 0), rank)
