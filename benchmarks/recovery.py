@@ -2,22 +2,27 @@
 resize from host memory (see [Note: live resize] in workers/controller.py).
 
 A local Ray cluster (``ray.cluster_utils.Cluster``: a head without CPUs and two nodes,
-one replica each) runs the same job in each mode: the issue's 4-layer dim-256 GPT at
-stage 2, dp 2 (min_dp 1), a checkpoint every 5 steps; "live" adds
-``engine.redundancy: host-copy`` (K = 1). Each mode first trains without faults
-(the baseline rate), then a seeded rank's process is SIGKILLed every ``--every``
-seconds, ``--kills`` times; then a node is removed and added back.
+one replica each) runs the same job in each mode: a GPT at stage 2, dp 2 (min_dp 1),
+fp32 AdamW, a checkpoint every 5 steps; "live" adds ``engine.redundancy: host-copy``
+(K = 1). ``--model small``: 4 layers, dim 256, vocabulary 8192, 128 tokens × 4
+samples per rank (5.3 M parameters); ``--model large``: 9 layers, dim 1536 (267 M
+parameters, 50×), 32 tokens × 1 sample per rank so that a step stays short on CPUs.
+Each mode first trains without faults (the baseline rate), then a seeded rank's
+process is SIGKILLed every ``--every`` seconds, ``--kills`` times; then a node is
+removed and added back.
 
 Measured per kill, from outside (the ranks' own Prometheus endpoints, polled every
 50 ms): seconds from the SIGKILL to the first step completed by a group without the
-killed process, and the steps trained again (the step reached before the kill minus
-the step the new group resumed from). Goodput: useful steps per second over the
-faulty phase / the fault-free rate. Join: seconds from the node's return to the first
-step at dp 2.
+killed process (and, of those, the seconds the job's event gives for re-forming the
+group: the live path's ``placed/regrouped``), and the steps trained again (the step
+reached before the kill minus the step the new group resumed from). Goodput: useful
+steps per second over the faulty phase / the fault-free rate. Join: seconds from the
+node's return to the first step at dp 2.
 
-    python -m benchmarks.recovery [--kills 10] [--every 12] [--modes restart live]
+    python -m benchmarks.recovery [--model small|large] [--kills 10] [--every 12]
+                                  [--modes restart live]
 
-Prints the table and writes JSON to benchmarks/results/recovery.json.
+Prints the table and writes JSON to benchmarks/results/recovery-<model>.json.
 """
 
 from __future__ import annotations
@@ -35,8 +40,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "recovery.json"
-MODEL = {"n_layer": 4, "n_head": 4, "dim": 256, "vocab_size": 512, "seq_len": 64}
+RESULTS = Path(__file__).parent / "results"
+MODELS: dict[str, tuple[dict[str, int], int]] = {
+    "small": ({"n_layer": 4, "n_head": 4, "dim": 256, "vocab_size": 8192, "seq_len": 128}, 4),
+    "large": ({"n_layer": 9, "n_head": 12, "dim": 1536, "vocab_size": 8192, "seq_len": 32}, 1),
+}
+"""Name: (the GPT's config, the micro-batch)."""
 
 
 def _scrape_step(endpoint: str) -> int | None:
@@ -57,7 +66,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def run_mode(mode: str, kills: int, every: float, baseline_s: float, seed: int) -> dict:
+def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int) -> dict:
     from workers.cluster import use_loopback
 
     workdir = Path(tempfile.mkdtemp(prefix="zs-"))
@@ -81,17 +90,18 @@ def run_mode(mode: str, kills: int, every: float, baseline_s: float, seed: int) 
     engine: dict[str, Any] = {"stage": 2}
     if mode == "live":
         engine |= {"redundancy": "host-copy", "redundancy_interval": 1}
+    config, micro_batch = MODELS[model]
     spec = JobSpec.model_validate(
         {
             "name": f"recovery-{mode}",
-            "model": MODEL,
+            "model": config,
             "engine": engine,
             "optimizer": {"type": "adamw", "lr": 1e-3},
             "steps": 10**7,
-            "micro_batch": 4,
+            "micro_batch": micro_batch,
             "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1},
             "checkpoint": {"interval_steps": 5, "keep": 2},
-            "timeouts": {"bootstrap_s": 120, "step_s": 60},
+            "timeouts": {"bootstrap_s": 300, "step_s": 120},
             "max_restarts": 10_000,
         }
     )
@@ -137,9 +147,15 @@ def run_mode(mode: str, kills: int, every: float, baseline_s: float, seed: int) 
             before = step_now(members)
             os.kill(victim["pid"], signal.SIGKILL)
             seconds, after = wait_group(1, victim["pid"])
+            regrouped = [
+                e.get("seconds")
+                for e in ray.get(handle.events.remote())
+                if e["reason"] == "regrouped" and e["dp"] == len(after)
+            ]
             faults.append(
                 {
                     "seconds": seconds,
+                    "regroup_s": regrouped[-1] if regrouped and mode == "live" else None,
                     "retrained": max(0, before - after[0]["start_step"]),
                     "new_dp": len(after),
                 }
@@ -162,14 +178,19 @@ def run_mode(mode: str, kills: int, every: float, baseline_s: float, seed: int) 
         wait_group(2, None)
         t_join = time.monotonic() - joined  # from the node's return
         events = ray.get(handle.events.remote())
+        params = ray.get(handle.ranks.remote())[0]["psi"]
         stop(f"recovery-{mode}")
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
     secs = [f["seconds"] for f in faults]
+    regroup = [f["regroup_s"] for f in faults if f["regroup_s"] is not None]
     return {
+        "model": model,
+        "params": params,
         "mode": mode,
+        "regroup_p50_s": statistics.median(regroup) if regroup else None,
         "steps_per_s_no_faults": rate,
         "kills": len(faults),
         "recover_p50_s": statistics.median(secs),
@@ -186,24 +207,45 @@ def run_mode(mode: str, kills: int, every: float, baseline_s: float, seed: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--every", type=float, default=12.0)
     parser.add_argument("--baseline", type=float, default=20.0)
     parser.add_argument("--modes", nargs="+", default=["restart", "live"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    results = [run_mode(m, args.kills, args.every, args.baseline, args.seed) for m in args.modes]
-    header = ("mode", "kills", "p50 s", "p95 s", "retrained", "max", "goodput", "join s")
+    results = [
+        run_mode(args.model, m, args.kills, args.every, args.baseline, args.seed)
+        for m in args.modes
+    ]
+    header = (
+        "model",
+        "mode",
+        "kills",
+        "kill→step p50 s",
+        "p95 s",
+        "regroup p50 s",
+        "retrained mean",
+        "max",
+        "goodput",
+        "join→step s",
+    )
     print(" | ".join(header))
     for r in results:
+        regroup = "-" if r["regroup_p50_s"] is None else f"{r['regroup_p50_s']:.2f}"
         print(
-            f"{r['mode']} | {r['kills']} | {r['recover_p50_s']:.2f} | {r['recover_p95_s']:.2f} | "
+            f"{r['model']} ({r['params'] / 1e6:.1f} M) | {r['mode']} | {r['kills']} | "
+            f"{r['recover_p50_s']:.2f} | {r['recover_p95_s']:.2f} | {regroup} | "
             f"{r['retrained_mean']:.1f} | {r['retrained_max']} | {r['goodput']:.2f} | "
             f"{r['join_s']:.2f}"
         )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"model": MODEL, "results": results}, indent=1))
-    print(f"wrote {RESULTS}")
+    out = RESULTS / f"recovery-{args.model}.json"
+    RESULTS.mkdir(exist_ok=True)
+    config, micro_batch = MODELS[args.model]
+    out.write_text(
+        json.dumps({"model": config, "micro_batch": micro_batch, "results": results}, indent=1)
+    )
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
