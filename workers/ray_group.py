@@ -9,6 +9,8 @@ attempt, so that they outlive a supervisor that dies: its replacement adopts the
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -180,7 +182,13 @@ class RayWorkerGroup:
     # -- live resize ----------------------------------------------------------------------
     def drop(self, ranks: list[int], settle_s: float) -> bool:
         lost = set(ranks)
+        here = ray.get_runtime_context().get_node_id()
         for r in sorted(lost):  # a stopped (SIGSTOP) process is killed too
+            address = self.addresses[r] if r < len(self.addresses) else {}
+            if address.get("node_id") == here and address.get("pid"):
+                # On this node: at once (Ray's kill waits for a stopped process first).
+                with contextlib.suppress(OSError):
+                    os.kill(address["pid"], signal.SIGKILL)
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[r], no_restart=True)
         running = [ref for ref, r in self._pending.items() if r not in lost]
