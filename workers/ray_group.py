@@ -182,11 +182,11 @@ class RayWorkerGroup:
     # -- live resize ----------------------------------------------------------------------
     def drop(self, ranks: list[int], settle_s: float) -> bool:
         lost = set(ranks)
-        here = ray.get_runtime_context().get_node_id()
+        here = ray.util.get_node_ip_address()
         for r in sorted(lost):  # a stopped (SIGSTOP) process is killed too
             address = self.addresses[r] if r < len(self.addresses) else {}
-            if address.get("node_id") == here and address.get("pid"):
-                # On this node: at once (Ray's kill waits for a stopped process first).
+            if address.get("ip") == here and address.get("pid"):
+                # On this machine: at once (Ray's kill waits for a stopped process first).
                 with contextlib.suppress(OSError):
                     os.kill(address["pid"], signal.SIGKILL)
             with contextlib.suppress(Exception):
