@@ -102,7 +102,7 @@ def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float,
             "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1},
             "checkpoint": {"interval_steps": 5, "keep": 2},
             "timeouts": {"bootstrap_s": 300, "step_s": 120},
-            "max_restarts": 10_000,
+            "max_restarts": 1000,
         }
     )
     rng = random.Random(seed)
