@@ -60,6 +60,16 @@ def _scrape_step(endpoint: str) -> int | None:
     return None
 
 
+def _age(stamp: str, since: float) -> float:
+    """Seconds from ``since`` (epoch) to an event's UTC ``time``."""
+    from datetime import datetime, timezone
+
+    when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp() - since
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
@@ -161,6 +171,12 @@ def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float,
                 }
             )
             print(f"{mode}: kill -> step in {seconds:.2f} s, {faults[-1]}", flush=True)
+            if seconds > 3 * every / 4:  # what the job did meanwhile
+                recent = ray.get(handle.events.remote())[-8:]
+                faults[-1]["events"] = [
+                    f"{e['kind']}/{e['reason']}: {e['message']}" for e in recent
+                ]
+                print("\n".join(faults[-1]["events"]), flush=True)
             time.sleep(max(0.0, every - seconds))
         members = rows()
         useful = step_now(members) - s_begin
@@ -177,6 +193,13 @@ def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float,
         cluster.add_node(num_cpus=1, **node_args)
         wait_group(2, None)
         t_join = time.monotonic() - joined  # from the node's return
+        joined_at = time.time() - t_join
+        for e in ray.get(handle.events.remote())[-6:]:
+            print(
+                f"join +{_age(e['time'], joined_at):.2f} s: {e['kind']}/{e['reason']}: "
+                f"{e['message'][:160]}",
+                flush=True,
+            )
         events = ray.get(handle.events.remote())
         params = ray.get(handle.ranks.remote())[0]["psi"]
         stop(f"recovery-{mode}")

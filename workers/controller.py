@@ -325,6 +325,10 @@ class JobController:
             self._add_points(chunks, group.dp)
             self._progress_line(step, target, time.monotonic() - t0)
             step = target
+            if step % interval and step < spec.steps:  # a one-step chunk between saves
+                return Running(
+                    group=group, step=step, message=state.message, failed_saves=state.failed_saves
+                )
         return self._save(state, step)
 
     def _save(self, state: Running, step: int) -> State:

@@ -380,6 +380,7 @@ def test_returned_capacity_joins_at_a_step_boundary_not_a_checkpoint():
     assert not _events(ctl, "restart")
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 0
+    assert [e["step"] for e in _events(ctl, "checkpoint")] == [4, 8, 12]  # boundaries only
 
 
 def test_copies_that_lack_a_lost_rank_fall_back_on_the_checkpoint_in_place():
