@@ -84,7 +84,7 @@ from .worker_group import (
 Callback = Callable[[State, State], None]
 FINAL_SAVE_TRIES = 3
 """How often the checkpoint after the last step is tried before the job fails."""
-SETTLE_S = 30.0
+SETTLE_S = 10.0
 """How long the survivors of a lost rank get to end their failed call (their
 collectives fail as soon as the lost rank's connections close)."""
 
@@ -444,11 +444,18 @@ class JobController:
         before = group.dp
         t0 = time.monotonic()
         if state.lost and not group.drop(state.lost, SETTLE_S):
+            survivors = [r for r in range(group.world) if r not in state.lost]
+            seen = group.progress(survivors, 2.0)
+            where = "; ".join(
+                f"rank {r}: {p.phase}, last {p.last_collective or 'none'}"
+                for r, p in seen.items()
+                if p is not None
+            )
             group.shutdown(clean=False)
             return Resizing(
                 reason=state.reason,
-                message="a surviving rank did not end its call in "
-                f"{SETTLE_S:g} s: restarting from the newest checkpoint",
+                message=f"a surviving rank did not end its call in {SETTLE_S:g} s "
+                f"({where or 'no answer'}): restarting from the newest checkpoint",
             )
         if state.lost and group.dp < spec.resources.lowest_dp:
             group.shutdown(clean=False)
