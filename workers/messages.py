@@ -65,7 +65,7 @@ class RankSetup:
     unreported: RankChunk | None = None
     """After a live shrink: the steps up to the restored one that the rank trained in a
     chunk its caller never received (their values are over every replica, see
-    ``RankWorker._agree_step``), so that no step is missing from the history."""
+    ``RankWorker._agree_loss``), so that no step is missing from the history."""
     history: list[dict[str, Any]] = field(default_factory=list)
     """The job's history points of the steps the loaded checkpoint holds since the one
     before it (saved in its client state): a supervisor that died before the control

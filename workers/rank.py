@@ -312,15 +312,15 @@ class RankWorker:
                 device = engine.units[0].flat.device
                 loss = engine(x.to(device), y.to(device))
                 engine.backward(loss)
-                report = engine.step()
                 total += loss.item() / accum
+                if self.live and m == accum - 1:  # before the step's host copy is taken
+                    total = self._agree_loss(total)
+                report = engine.step()
             seconds = time.perf_counter() - t0
             volume_per_step = engine.comm_ledger().volume_elements() - volume0
             self.step += 1
             self.tokens += tokens_per_step
             peak = self._publish(total, seconds, tokens_per_step, report.loss_scale)
-            if self.live:
-                total, seconds, peak = self._agree_step(total, seconds, peak)
             losses[self.step] = total
             steps.append(
                 {
@@ -335,6 +335,8 @@ class RankWorker:
                 }
             )
             self._unreported.append(steps[-1])
+            if self.live:  # the slowest rank's seconds, the largest peak (this rank's if lost)
+                steps[-1]["seconds"], steps[-1]["peak_bytes"] = self._agree_most(seconds, peak)
         self._phase = RankPhase.IDLE
         return RankChunk(
             rank=self.rank,
@@ -348,17 +350,21 @@ class RankWorker:
             steps=steps,
         )
 
-    def _agree_step(self, loss: float, seconds: float, peak: int) -> tuple[float, float, int]:
-        """The step's loss over every replica, the slowest rank's seconds and the largest
-        peak, known to every rank: after a live shrink any survivor can report a step
-        whose chunk never reached the supervisor (see ``RankSetup.unreported``)."""
+    def _agree_loss(self, loss: float) -> float:
+        """The step's loss over every replica, agreed before the optimizer step (and so
+        before the step's host copy): a rank that restores a step from the copies has
+        the step's loss too, and after a live shrink any survivor can report a step whose
+        chunk never reached the supervisor (see ``RankSetup.unreported``)."""
         group = self.topo.dp_group
         total = torch.tensor([loss], dtype=torch.float64)
-        most = torch.tensor([seconds, float(peak)], dtype=torch.float64)
         dist.all_reduce(total, group=group)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-        mean = total.item() / dist.get_world_size(group)
-        return mean, most[0].item(), int(most[1].item())
+        return total.item() / dist.get_world_size(group)
+
+    def _agree_most(self, seconds: float, peak: int) -> tuple[float, int]:
+        """The slowest rank's step seconds and the largest memory peak."""
+        most = torch.tensor([seconds, float(peak)], dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.topo.dp_group)
+        return most[0].item(), int(most[1].item())
 
     def _publish(self, loss: float, seconds: float, tokens: int, loss_scale: float) -> int:
         """Update the rank's metrics after a step; returns its memory peak (bytes)."""
