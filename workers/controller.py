@@ -309,13 +309,7 @@ class JobController:
             if self.live and group.dp < spec.resources.highest_dp:
                 more = self._room_to_grow(group)
                 if more > 0:
-                    return Regrouping(
-                        group=group,
-                        grow=more,
-                        step=step,
-                        reason="capacity_returned",
-                        message=f"room for {more} more replica(s): growing in place at step {step}",
-                    )
+                    return self._grow_in_place(group, more, step)
                 target = step + 1  # look for room again at the next step boundary
             t0 = time.monotonic()
             stop, chunks = self._watch(group, "train", target)
@@ -362,13 +356,7 @@ class JobController:
             return self._succeeded(group)
         more = self._room_to_grow(group)
         if more > 0 and self.live:
-            return Regrouping(
-                group=group,
-                grow=more,
-                step=step,
-                reason="capacity_returned",
-                message=f"room for {more} more replica(s): growing in place at step {step}",
-            )
+            return self._grow_in_place(group, more, step)
         if more > 0:
             group.shutdown(clean=False)
             return Resizing(
@@ -380,6 +368,15 @@ class JobController:
     def _succeeded(self, group: WorkerGroup) -> State:
         group.shutdown(clean=True)
         return Succeeded(message=f"{self.spec.steps} steps")
+
+    def _grow_in_place(self, group: WorkerGroup, more: int, step: int) -> Regrouping:
+        return Regrouping(
+            group=group,
+            grow=more,
+            step=step,
+            reason="capacity_returned",
+            message=f"room for {more} more replica(s): growing in place at step {step}",
+        )
 
     def _room_to_grow(self, group: WorkerGroup) -> int:
         highest = self.spec.resources.highest_dp
