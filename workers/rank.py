@@ -58,8 +58,12 @@ class RankPhase(enum.Enum):
 class RankWorker:
     """See the module docstring."""
 
-    def __init__(self, job_id: str, rank: int, spec_json: str):
+    def __init__(self, job_id: str, rank: int, spec_json: str, seat: tuple[str, int] | None = None):
         self.job_id, self.rank = job_id, rank
+        self.seat = seat
+        """(placement group id, bundle) the actor runs on, for a new supervisor."""
+        self._membership: dict[str, Any] | None = None
+        self._rendezvous = ""
         self.spec = JobSpec.model_validate_json(spec_json)
         self.engine: zeroservice.Engine | None = None
         self.metrics: RankMetrics | None = None
@@ -141,6 +145,7 @@ class RankWorker:
 
         with self._busy:
             self._phase = RankPhase.BOOTSTRAP
+            self._membership = None  # until the re-formed group is ready
             held = None
             if self.engine is not None:
                 held = self.engine.snapshot_now() if grow else self.engine.peer_snapshot()
@@ -195,6 +200,7 @@ class RankWorker:
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        self._rendezvous = f"{master}:{port}"
         topo = zeroservice.build_topology(spec.resources.mp)
         self.topo = topo
         model, init = build_model(spec, topo.mp_group)
@@ -275,7 +281,20 @@ class RankWorker:
             history=self._loaded_history,
         )
         self._loaded_history = []
+        self._membership = {
+            "group": self._rendezvous,
+            "rank": self.rank,
+            "world": world,
+            "seat": self.seat,
+        }
         return self._setup
+
+    def membership(self) -> dict[str, Any] | None:
+        """The group this rank serves in now: its rendezvous (the same for every member),
+        rank, world and seat; None before it is ready in one. After a live resize an
+        actor's name no longer says its rank or world: a new supervisor asks this (see
+        ``RayWorkerPool.adopt``)."""
+        return self._membership
 
     # -- training -------------------------------------------------------------------------
     def train(self, until: int) -> RankChunk:

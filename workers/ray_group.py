@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zeroservice.checkpoint.storage import is_uri
@@ -53,6 +53,21 @@ def _job_ranks(job_id: str) -> dict[str, dict[int, tuple[str, int]]]:
     return out
 
 
+def _job_placements(job_id: str) -> dict[str, Placement]:
+    """The job's placement groups not removed (its own and those taken for a grow, see
+    ``RayWorkerPool.extend``), by id; a placement's dp is its count of bundles."""
+    prefix = placement_name(job_id, 0)[:-1]
+    out = {}
+    for pg_id, info in placement_group_table().items():
+        name = info.get("name", "")
+        rest = name[len(prefix) :] if name.startswith(prefix) else ""
+        mine = rest.isdigit() or rest.startswith("grow-")
+        if mine and info.get("state") != "REMOVED":
+            group = PlacementGroup(ray.PlacementGroupID.from_hex(pg_id))
+            out[pg_id] = Placement(group, len(info.get("bundles", {})))
+    return out
+
+
 def reap(job_id: str) -> int:
     """Kill every rank actor of the job and remove its placement groups (what a lost
     supervisor left); returns the actors killed."""
@@ -62,14 +77,8 @@ def reap(job_id: str) -> int:
             with contextlib.suppress(Exception):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
                 killed += 1
-    prefix = placement_name(job_id, 0)[:-1]
-    for pg_id, info in placement_group_table().items():
-        name = info.get("name", "")
-        rest = name[len(prefix) :] if name.startswith(prefix) else ""
-        mine = rest.isdigit() or rest.startswith("grow-")  # see RayWorkerPool.extend
-        if mine and info.get("state") != "REMOVED":
-            with contextlib.suppress(Exception):
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+    for placement in _job_placements(job_id).values():
+        placement.remove()
     return killed
 
 
@@ -310,26 +319,63 @@ class RayWorkerPool:
         return str(ray.available_resources())
 
     def adopt(self) -> RayWorkerGroup | None:
-        """The complete group of rank actors a lost supervisor left, with its
-        placement; None (having removed whatever is left) when there is none."""
-        found = _job_ranks(self.job_id)
-        if len(found) != 1:
-            reap(self.job_id)
-            return None
-        ((_, ranks),) = found.items()
-        world = next(iter(ranks.values()))[1]
+        """The group of rank actors a lost supervisor left, with its placements; None
+        (having removed whatever is left) when there is none.
+
+        Each of the job's actors is asked which group it serves in
+        (``RankWorker.membership``): after a live resize the members carry names of
+        several attempts, and their names no longer say their rank or world. Exactly
+        one complete group (ranks 0..world-1 of one rendezvous) is adopted; the actors
+        outside it (newcomers never seated, members of a group that did not form) are
+        killed, and the seats no member holds are the group's vacancies."""
+        names = [n for ranks in _job_ranks(self.job_id).values() for n, _ in ranks.values()]
         try:
-            if sorted(ranks) != list(range(world)) or world % self.spec.resources.mp:
-                raise ValueError(f"an incomplete group: ranks {sorted(ranks)} of {world}")
-            dp = world // self.spec.resources.mp
-            pg = ray.util.get_placement_group(placement_name(self.job_id, dp))
-            actors = [ray.get_actor(ranks[r][0], namespace=NAMESPACE) for r in range(world)]
-            group = self._group(Placement(pg, dp), actors)
-            timeout = self.spec.timeouts.bootstrap_s
-            group.addresses = ray.get([a.address.remote() for a in actors], timeout=timeout)
+            group = self._adopt(names) if names else None
         except Exception:
+            group = None
+        if group is None:
             reap(self.job_id)
+        return group
+
+    def _adopt(self, names: list[str]) -> RayWorkerGroup | None:
+        timeout = self.spec.timeouts.bootstrap_s
+        actors, refs = {}, {}
+        for name in names:
+            with contextlib.suppress(Exception):  # gone since it was listed
+                actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+                refs[name] = actors[name].membership.remote()
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        groups: dict[str, dict[int, tuple[str, dict[str, Any]]]] = {}
+        for name, ref in refs.items():
+            member = None
+            if ref in ready:
+                with contextlib.suppress(Exception):
+                    member = ray.get(ref)
+            if member is not None:
+                groups.setdefault(member["group"], {})[member["rank"]] = (name, member)
+        complete = [g for g in groups.values() if all(m["world"] == len(g) for _, m in g.values())]
+        complete = [g for g in complete if sorted(g) == list(range(len(g)))]
+        if len(complete) != 1 or len(complete[0]) % self.spec.resources.mp:
             return None
+        ((members),) = complete
+        world = len(members)
+        chosen = [members[r][0] for r in range(world)]
+        for name in set(actors) - set(chosen):
+            with contextlib.suppress(Exception):
+                ray.kill(actors[name], no_restart=True)
+        placements = _job_placements(self.job_id)
+        seats = {
+            (pg_id, b): Seat(placement, b)
+            for pg_id, placement in placements.items()
+            for b in range(placement.dp)
+        }
+        held = [seats[tuple(members[r][1]["seat"])] for r in range(world)]
+        group = self._group(held[0].placement, [actors[n] for n in chosen])
+        group.placements = list(placements.values())
+        group.seats = held
+        group.vacant = [seat for seat in seats.values() if seat not in set(held)]
+        group.dp = world // self.spec.resources.mp
+        group.addresses = ray.get([a.address.remote() for a in group.actors], timeout=timeout)
         return group
 
     def _group(self, placement: Placement, actors: list[Any]) -> RayWorkerGroup:
@@ -358,14 +404,13 @@ class RayWorkerPool:
                 ),
                 runtime_env={"env_vars": actor_env()},
             )
-            .remote(self.job_id, rank, self.spec_json)
+            .remote(self.job_id, rank, self.spec_json, (seat.placement.group.id.hex(), seat.bundle))
         )
 
     def extend(self, group: RayWorkerGroup, count: int, wait_s: float) -> int:
         """Newcomers for a live grow: on the group's usable vacancies first, then on a
-        placement taken for them. Their names carry a fresh attempt, so a supervisor
-        lost after a live resize finds no single complete attempt to adopt and goes on
-        from the checkpoint (see ``adopt``)."""
+        placement taken for them. Their names carry a fresh attempt; a supervisor lost
+        after a live resize finds the group by asking its members (see ``adopt``)."""
         attempt = uuid.uuid4().hex[:8]
         added = group.take_spares(count)
         seats = [s for s in group.usable_vacancies() if s not in group.spares]

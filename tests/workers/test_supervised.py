@@ -92,3 +92,55 @@ def test_without_its_ranks_the_new_supervisor_goes_on_from_the_checkpoint(local_
     assert placed[0]["data"]["step"] >= 4
     named = local_ray.util.list_named_actors(all_namespaces=True)
     assert not [a for a in named if a["name"].startswith("zeroservice-rank-")]  # none left
+
+
+def test_a_supervisor_lost_after_a_live_resize_adopts_the_resized_group(local_ray, tmp_path):
+    """Live resizes leave members with names of several attempts (the survivor's and
+    the newcomer's); the new supervisor finds the group by asking its members, adopts
+    both ranks without a checkpoint, and the history keeps every step once."""
+    from workers.jobs import attach
+
+    spec = {
+        **SPEC,
+        "name": "supervised-live",
+        "engine": {**SPEC["engine"], "redundancy": "host-copy"},
+        "steps": 100_000,  # runs until the adoption was seen, then cancelled
+        "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1},
+        "checkpoint": {"interval_steps": 50},
+        "max_restarts": 4,
+    }
+    h, auth = _harness(tmp_path)
+    job_id = h.client.post("/v1/jobs", json={"spec": spec}, headers=auth).json()["id"]
+
+    def job():
+        h.tick()
+        return h.client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+
+    def events():
+        got = h.client.get(f"/v1/jobs/{job_id}/events?limit=1000", headers=auth).json()
+        return [(e["kind"], e["reason"], e["message"]) for e in got]
+
+    def seen(kind, reason):
+        job()
+        return [e for e in events() if e[:2] == (kind, reason)]
+
+    wait_for(lambda: job()["step"] >= 4, 180, "training", job)
+    first = attach(job_id)
+    os.kill(local_ray.get(first.ranks.remote())[1]["pid"], signal.SIGKILL)
+    wait_for(lambda: seen("resize", "grown"), 180, "the live grow-back", events)
+    assert seen("placed", "regrouped"), events()
+    os.kill(local_ray.get(first.process_id.remote()), signal.SIGKILL)
+    adopted = wait_for(lambda: seen("placed", "adopted"), 180, "the adoption", events)
+    assert "2 running ranks" in adopted[0][2], adopted
+    after = events()[events().index(adopted[0]) :]
+    assert not [e for e in after if e[:2] == ("placed", "started")], after  # no restart
+    step = job()["step"]
+    wait_for(lambda: job()["step"] >= step + 5, 120, "training after the adoption", job)
+    assert job()["current_dp"] == 2
+    h.client.post(f"/v1/jobs/{job_id}/cancel", headers=auth)
+    wait_for(lambda: job()["status"] == "cancelled", 120, "the cancel", job)
+    history = h.client.get(f"/v1/jobs/{job_id}/metrics", headers=auth).json()["history"]
+    steps = [p["step"] for p in history]
+    assert steps == list(range(1, len(steps) + 1)), steps
+    h.client.close()
+    h.service.engine.dispose()
