@@ -29,9 +29,10 @@ are trained again and no file is read. When the survivors lack a lost rank's sha
 (two neighbours lost at once) every rank loads the newest checkpoint instead, still in
 place; when a survivor does not come back or the re-formed group fails to start, the
 job restarts from the checkpoint as before. Either way the event says which. Growth is
-live too: while the group is below max_dp the chunks are one step long, and at the
-first step boundary where a replica fits (the lost rank's own bundle again, or new
-room on the cluster) new rank actors join and the others hand them their shards
+live too: while the group is below max_dp the chunks are one step long; free room on
+the cluster is taken at once as vacant seats beside the lost ranks' own, a newcomer's
+actor is started on every usable vacant seat while the group trains, and at the first
+step boundary where newcomers are up they join and the others hand them their shards
 (copied at that boundary, so nothing is trained again).
 
     running   lost / stalled, live → resizing (``Regrouping``): drop the lost
@@ -382,8 +383,12 @@ class JobController:
         highest = self.spec.resources.highest_dp
         if group.dp >= highest:
             return 0
-        vacant = group.vacancies() if self.live else 0
-        return min(highest - group.dp, self.pool.available() + vacant)
+        if not self.live:
+            return min(highest - group.dp, self.pool.available())
+        # Live: free room becomes vacant seats now, and the group grows at the first
+        # step boundary where their newcomers are up (see [Note: live resize]).
+        self.pool.reserve(group, highest - group.dp)
+        return min(highest - group.dp, group.vacancies())
 
     def _progress_line(self, step: int, target: int, seconds: float) -> None:
         spec = self.spec

@@ -55,6 +55,13 @@ class RankPhase(enum.Enum):
     IDLE = "idle"
 
 
+def _warm_up() -> None:
+    """Pay torch's lazy start-up costs when the actor starts, not inside a group's
+    rendezvous: the first optimizer built imports torch._dynamo (seconds on a busy
+    CPU), and a newcomer joining a live group would make every member wait for it."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
 class RankWorker:
     """See the module docstring."""
 
@@ -84,6 +91,7 @@ class RankWorker:
         """This chunk's step reports so far (see ``RankSetup.unreported``)."""
         self._loaded_history: list[dict[str, Any]] = []
         """The history points the loaded checkpoint carries (see ``RankSetup.history``)."""
+        _warm_up()
 
     # -- placement and bootstrap ---------------------------------------------------------
     def address(self) -> dict[str, Any]:

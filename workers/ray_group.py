@@ -407,6 +407,23 @@ class RayWorkerPool:
             .remote(self.job_id, rank, self.spec_json, (seat.placement.group.id.hex(), seat.bundle))
         )
 
+    def reserve(self, group: RayWorkerGroup, count: int) -> None:
+        short = count - len(group.vacant)
+        if short <= 0 or self.spec.resources.mp != 1 or self.available() < 1:
+            return
+        extra = place(
+            self.job_id,
+            self.spec.resources,
+            1,
+            short,
+            wait_s=2.0,
+            settle_s=0.0,
+            name=f"{placement_name(self.job_id, 0)[:-1]}grow-{uuid.uuid4().hex[:8]}",
+        )
+        if extra is not None:
+            group.placements.append(extra)
+            group.vacant += [Seat(extra, b) for b in range(extra.dp)]
+
     def extend(self, group: RayWorkerGroup, count: int, wait_s: float) -> int:
         """Newcomers for a live grow: on the group's usable vacancies first, then on a
         placement taken for them. Their names carry a fresh attempt; a supervisor lost

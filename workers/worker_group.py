@@ -100,6 +100,11 @@ class WorkerPool(Protocol):
         """Ranks on the placement, joined and set up; raises GroupStartFailed (having
         removed what it started)."""
 
+    def reserve(self, group: Any, count: int) -> None:
+        """Take free room for up to ``count`` more replicas (beside the group's vacant
+        seats) as vacant seats of ``group``: their newcomers start while the group
+        trains (``vacancies``), so that growing into new room waits for no start."""
+
     def extend(self, group: Any, count: int, wait_s: float) -> int:
         """Up to ``count`` new ranks appended to ``group``, not yet set up: on its
         vacancies first, then on a new placement; returns how many."""
@@ -304,6 +309,13 @@ class InProcessPool:
         group.setups = [answers[r] for r in range(world)]
         self.groups.append(group)
         return group
+
+    def reserve(self, group: InProcessGroup, count: int) -> None:
+        short = count - group.vacant
+        extra = self.place(1, short, 0.0) if short > 0 else None
+        if extra is not None:
+            group.extra.append(extra)
+            group.vacant += extra.dp
 
     def extend(self, group: InProcessGroup, count: int, wait_s: float) -> int:
         reuse = min(count, group.vacant)
