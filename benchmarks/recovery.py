@@ -31,10 +31,8 @@ import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -77,26 +75,20 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int) -> dict:
-    from workers.cluster import use_loopback
+    from workers.cluster import SimulatedCluster
 
-    workdir = Path(tempfile.mkdtemp(prefix="zs-"))
-    use_loopback(workdir / "home")
-    (workdir / "tmp" / "ray").mkdir(parents=True)
-    os.environ["RAY_TMPDIR"] = str(workdir / "tmp")
+    with SimulatedCluster(nodes=2, cpus_per_node=1) as sim:
+        return _run_mode(sim, model, mode, kills, every, baseline_s, seed)
+
+
+def _run_mode(
+    sim: Any, model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int
+) -> dict:
     import ray
-    from ray.cluster_utils import Cluster
 
     from workers.jobs import launch, stop
     from workers.spec import JobSpec
 
-    node_args = {"node_ip_address": "127.0.0.1", "temp_dir": str(workdir / "tmp" / "ray")}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, **node_args},
-    )
-    nodes = [cluster.add_node(num_cpus=1, **node_args) for _ in range(2)]
-    ray.init(address=cluster.address, namespace="zeroservice", log_to_driver=False)
-    cluster.wait_for_nodes()
     engine: dict[str, Any] = {"stage": 2}
     if mode == "live":
         engine |= {"redundancy": "host-copy", "redundancy_interval": 1}
@@ -116,7 +108,7 @@ def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float,
         }
     )
     rng = random.Random(seed)
-    handle = launch(f"recovery-{mode}", spec, workdir / "ckpt")
+    handle = launch(f"recovery-{mode}", spec, sim.workdir / "ckpt")
 
     def rows() -> list[dict[str, Any]]:
         return ray.get(handle.ranks.remote())
@@ -137,76 +129,69 @@ def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float,
             time.sleep(0.05)
         raise TimeoutError(f"{mode}: no step at dp {dp} within {timeout} s")
 
-    try:
-        _, members = wait_group(2, None)
-        while step_now(members) < 6:
-            time.sleep(0.1)
-        s0, t0 = step_now(members), time.monotonic()
-        time.sleep(baseline_s)
-        members = rows()
-        rate = (step_now(members) - s0) / (time.monotonic() - t0)
+    _, members = wait_group(2, None)
+    while step_now(members) < 6:
+        time.sleep(0.1)
+    s0, t0 = step_now(members), time.monotonic()
+    time.sleep(baseline_s)
+    members = rows()
+    rate = (step_now(members) - s0) / (time.monotonic() - t0)
 
-        faults = []
-        s_begin, t_begin = step_now(members), time.monotonic()
-        for _ in range(kills):
-            members = rows()
-            while len(members) < 2:  # growing back (live) or restarting
-                time.sleep(0.05)
-                members = rows()
-            victim = rng.choice(members)
-            before = step_now(members)
-            os.kill(victim["pid"], signal.SIGKILL)
-            seconds, after = wait_group(1, victim["pid"])
-            regrouped = [
-                e.get("seconds")
-                for e in ray.get(handle.events.remote())
-                if e["reason"] == "regrouped" and e["dp"] == len(after)
-            ]
-            faults.append(
-                {
-                    "seconds": seconds,
-                    "regroup_s": regrouped[-1] if regrouped and mode == "live" else None,
-                    "retrained": max(0, before - after[0]["start_step"]),
-                    "new_dp": len(after),
-                }
-            )
-            print(f"{mode}: kill -> step in {seconds:.2f} s, {faults[-1]}", flush=True)
-            if seconds > 3 * every / 4:  # what the job did meanwhile
-                recent = ray.get(handle.events.remote())[-8:]
-                faults[-1]["events"] = [
-                    f"{e['kind']}/{e['reason']}: {e['message']}" for e in recent
-                ]
-                print("\n".join(faults[-1]["events"]), flush=True)
-            time.sleep(max(0.0, every - seconds))
+    faults = []
+    s_begin, t_begin = step_now(members), time.monotonic()
+    for _ in range(kills):
         members = rows()
-        useful = step_now(members) - s_begin
-        goodput = useful / (time.monotonic() - t_begin) / rate if rate > 0 else 0.0
+        while len(members) < 2:  # growing back (live) or restarting
+            time.sleep(0.05)
+            members = rows()
+        victim = rng.choice(members)
+        before = step_now(members)
+        os.kill(victim["pid"], signal.SIGKILL)
+        seconds, after = wait_group(1, victim["pid"])
+        regrouped = [
+            e.get("seconds")
+            for e in ray.get(handle.events.remote())
+            if e["reason"] == "regrouped" and e["dp"] == len(after)
+        ]
+        faults.append(
+            {
+                "seconds": seconds,
+                "regroup_s": regrouped[-1] if regrouped and mode == "live" else None,
+                "retrained": max(0, before - after[0]["start_step"]),
+                "new_dp": len(after),
+            }
+        )
+        print(f"{mode}: kill -> step in {seconds:.2f} s, {faults[-1]}", flush=True)
+        if seconds > 3 * every / 4:  # what the job did meanwhile
+            recent = ray.get(handle.events.remote())[-8:]
+            faults[-1]["events"] = [f"{e['kind']}/{e['reason']}: {e['message']}" for e in recent]
+            print("\n".join(faults[-1]["events"]), flush=True)
+        time.sleep(max(0.0, every - seconds))
+    members = rows()
+    useful = step_now(members) - s_begin
+    goodput = useful / (time.monotonic() - t_begin) / rate if rate > 0 else 0.0
 
+    members = rows()
+    while len(members) < 2:
+        time.sleep(0.1)
         members = rows()
-        while len(members) < 2:
-            time.sleep(0.1)
-            members = rows()
-        cluster.remove_node(nodes[1])
-        wait_group(1, None)
-        time.sleep(3.0)
-        joined = time.monotonic()
-        cluster.add_node(num_cpus=1, **node_args)
-        wait_group(2, None)
-        t_join = time.monotonic() - joined  # from the node's return
-        joined_at = time.time() - t_join
-        for e in ray.get(handle.events.remote())[-6:]:
-            print(
-                f"join +{_age(e['time'], joined_at):.2f} s: {e['kind']}/{e['reason']}: "
-                f"{e['message'][:160]}",
-                flush=True,
-            )
-        events = ray.get(handle.events.remote())
-        params = ray.get(handle.ranks.remote())[0]["psi"]
-        stop(f"recovery-{mode}")
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(workdir, ignore_errors=True)
+    sim.remove_node(sim.nodes[1])
+    wait_group(1, None)
+    time.sleep(3.0)
+    joined = time.monotonic()
+    sim.add_node(num_cpus=1, wait=False)
+    wait_group(2, None)
+    t_join = time.monotonic() - joined  # from the node's return
+    joined_at = time.time() - t_join
+    for e in ray.get(handle.events.remote())[-6:]:
+        print(
+            f"join +{_age(e['time'], joined_at):.2f} s: {e['kind']}/{e['reason']}: "
+            f"{e['message'][:160]}",
+            flush=True,
+        )
+    events = ray.get(handle.events.remote())
+    params = ray.get(handle.ranks.remote())[0]["psi"]
+    stop(f"recovery-{mode}")
     secs = [f["seconds"] for f in faults]
     regroup = [f["regroup_s"] for f in faults if f["regroup_s"] is not None]
     return {

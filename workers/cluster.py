@@ -13,7 +13,10 @@ passed to every actor through the runtime environment.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def loopback_env(home: str | Path) -> dict[str, str]:
@@ -101,3 +104,49 @@ def start_local_ray(
         namespace="zeroservice",
         log_to_driver=False,
     )
+
+
+class SimulatedCluster:
+    """Simulated nodes on this machine (``ray.cluster_utils.Cluster``), on loopback:
+    a head without CPUs (supervisors run there) and nodes that a scenario removes and
+    adds back; this process is connected to it. Its files live in ``workdir`` (short:
+    Ray's socket paths must stay short), removed on exit. For the fault scenarios,
+    their tests and the recovery benchmark."""
+
+    def __init__(self, nodes: int, cpus_per_node: float):
+        self.workdir = Path(tempfile.mkdtemp(prefix="zs-"))
+        use_loopback(self.workdir / "home")
+        temp = self.workdir / "tmp" / "ray"
+        temp.mkdir(parents=True)
+        os.environ["RAY_TMPDIR"] = str(temp.parent)
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self._node_args = {"node_ip_address": "127.0.0.1", "temp_dir": str(temp)}
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, **self._node_args},
+        )
+        self.nodes = [self.add_node(cpus_per_node, wait=False) for _ in range(nodes)]
+        ray.init(address=self.cluster.address, namespace="zeroservice", log_to_driver=False)
+        self.cluster.wait_for_nodes()
+
+    def add_node(self, num_cpus: float, wait: bool = True) -> Any:
+        """A new node (``wait``: return once Ray has registered it)."""
+        node = self.cluster.add_node(num_cpus=num_cpus, **self._node_args)
+        if wait:
+            self.cluster.wait_for_nodes()
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        self.cluster.remove_node(node)
+
+    def __enter__(self) -> SimulatedCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.workdir, ignore_errors=True)

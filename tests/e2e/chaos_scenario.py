@@ -28,7 +28,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,16 +72,20 @@ def _schedule(n: int, seed: int, disk: bool) -> list[str]:
 
 
 def main(seed: int, faults: int) -> dict[str, Any]:
-    from workers.cluster import use_loopback
+    from workers.cluster import SimulatedCluster
 
-    workdir = Path(tempfile.mkdtemp(prefix="zs-"))  # Ray's socket paths must stay short
-    use_loopback(workdir / "home")
-    (workdir / "tmp" / "ray").mkdir(parents=True)
-    os.environ["RAY_TMPDIR"] = str(workdir / "tmp")
-    disk = workdir / "disk"
-    mounted = _mount_tmpfs(disk, 24)
+    with SimulatedCluster(nodes=2, cpus_per_node=1) as sim:
+        disk = sim.workdir / "disk"
+        mounted = _mount_tmpfs(disk, 24)
+        try:
+            return _run(sim, disk, mounted, seed, faults)
+        finally:
+            if mounted:
+                subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _run(sim: Any, disk: Path, mounted: bool, seed: int, faults: int) -> dict[str, Any]:
     import ray
-    from ray.cluster_utils import Cluster
 
     from api.backend import RayBackend
     from tests.api.conftest import Harness
@@ -90,134 +93,119 @@ def main(seed: int, faults: int) -> dict[str, Any]:
     from workers.jobs import attach
     from zeroservice.checkpoint import describe
 
-    node_args = {"node_ip_address": "127.0.0.1", "temp_dir": str(workdir / "tmp" / "ray")}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, **node_args},
-    )
-    nodes = [cluster.add_node(num_cpus=1, **node_args) for _ in range(2)]
-    ray.init(address=cluster.address, namespace="zeroservice", log_to_driver=False)
-    cluster.wait_for_nodes()
+    workdir = sim.workdir
     plan = _schedule(faults, seed, mounted)
     rng = random.Random(seed + 1)
     spec = dict(SPEC, steps=STEPS_PER_FAULT * (len(plan) + 1))
     store = f"sqlite:///{workdir / 'store.db'}"
     settings = {"checkpoint_root": str(disk / "checkpoints")}
     injected: list[dict[str, Any]] = []
-    try:
-        h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
-        auth = h.headers(h.tenant_token("alice"))
-        job_id = h.client.post("/v1/jobs", json={"spec": spec}, headers=auth).json()["id"]
+    h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
+    auth = h.headers(h.tenant_token("alice"))
+    job_id = h.client.post("/v1/jobs", json={"spec": spec}, headers=auth).json()["id"]
 
-        def job() -> dict[str, Any]:
-            h.tick()
-            return h.client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+    def job() -> dict[str, Any]:
+        h.tick()
+        return h.client.get(f"/v1/jobs/{job_id}", headers=auth).json()
 
-        def supervisor():
-            return attach(job_id)
+    def supervisor():
+        return attach(job_id)
 
-        def events() -> list[dict[str, Any]]:
-            h.tick()
-            out: list[dict[str, Any]] = []
-            while True:
-                page = h.client.get(
-                    f"/v1/jobs/{job_id}/events",
-                    params={"after": out[-1]["id"] if out else 0, "limit": 1000},
-                    headers=auth,
-                ).json()
-                out += page
-                if len(page) < 1000:
-                    return out
-
-        def ranks() -> list[dict[str, Any]]:
-            handle = supervisor()
-            if handle is None:
-                return []
-            with contextlib.suppress(Exception):
-                return ray.get(handle.ranks.remote(), timeout=10)
-            return []
-
-        def full_group() -> list[dict[str, Any]] | None:
-            j = job()
-            members = ranks()
-            return members if j["status"] == "running" and len(members) == 2 else None
-
-        def explain():
-            return job(), ray.available_resources()
-
-        mark = 0
-        for kind in plan:
-            mark += SPACING
-            wait_for(lambda m=mark: job()["step"] >= m, 300, f"step {mark}", explain)
-            members = wait_for(full_group, 300, "a full group", explain)
-            mark = job()["step"]
-            if mark > spec["steps"] - STEPS_PER_FAULT:
-                break
-            victim = rng.choice(members)
-            fault: dict[str, Any] = {"kind": kind, "at_step": job()["step"]}
-            if kind == "rank_kill":
-                os.kill(victim["pid"], signal.SIGKILL)
-            elif kind == "rank_stop":
-                os.kill(victim["pid"], signal.SIGSTOP)
-            elif kind == "node":
-                node = next(n for n in nodes if n.node_id == victim["node_id"])
-                cluster.remove_node(node)
-                nodes.remove(node)
-                wait_for(lambda: job()["current_dp"] == 1, 300, "the shrink", explain)
-                nodes.append(cluster.add_node(num_cpus=1, **node_args))
-                cluster.wait_for_nodes()
-            elif kind == "supervisor":
-                os.kill(ray.get(supervisor().process_id.remote()), signal.SIGKILL)
-            elif kind == "api":
-                h.client.close()
-                h.service.engine.dispose()
-                h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
-            elif kind == "disk_full":
-                usage = shutil.disk_usage(disk)
-                ballast = disk / "ballast"
-                with open(ballast, "wb") as f:  # leave less than a rank file
-                    f.write(b"\0" * max(0, usage.free - 8192))
-                failed = sum(e["reason"] == "save_failed" for e in events())
-                wait_for(
-                    lambda n=failed: sum(e["reason"] == "save_failed" for e in events()) > n,
-                    300,
-                    "a failed save",
-                    explain,
-                )
-                ballast.unlink()
-            injected.append(fault)
-            print(f"fault {len(injected)}: {fault}", file=sys.stderr, flush=True)
-        done = wait_for(
-            lambda: (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job()),
-            600,
-            "the job to end",
-            explain,
-        )
-        history: list[dict[str, Any]] = []
-        after = -1
+    def events() -> list[dict[str, Any]]:
+        h.tick()
+        out: list[dict[str, Any]] = []
         while True:
             page = h.client.get(
-                f"/v1/jobs/{job_id}/metrics",
-                params={"history_after": after, "history_limit": 500},
+                f"/v1/jobs/{job_id}/events",
+                params={"after": out[-1]["id"] if out else 0, "limit": 1000},
                 headers=auth,
             ).json()
-            history += page["history"]
-            if page.get("next_after") is None:
-                break
-            after = page["next_after"]
-        log = events()
-        root = Path(settings["checkpoint_root"])
-        verdicts = {
-            str(p): describe(p, verify=True)
-            for p in sorted(root.rglob("step-*"))
-            if (p / "manifest.json").exists()
-        }
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if mounted:
-            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+            out += page
+            if len(page) < 1000:
+                return out
+
+    def ranks() -> list[dict[str, Any]]:
+        handle = supervisor()
+        if handle is None:
+            return []
+        with contextlib.suppress(Exception):
+            return ray.get(handle.ranks.remote(), timeout=10)
+        return []
+
+    def full_group() -> list[dict[str, Any]] | None:
+        j = job()
+        members = ranks()
+        return members if j["status"] == "running" and len(members) == 2 else None
+
+    def explain():
+        return job(), ray.available_resources()
+
+    mark = 0
+    for kind in plan:
+        mark += SPACING
+        wait_for(lambda m=mark: job()["step"] >= m, 300, f"step {mark}", explain)
+        members = wait_for(full_group, 300, "a full group", explain)
+        mark = job()["step"]
+        if mark > spec["steps"] - STEPS_PER_FAULT:
+            break
+        victim = rng.choice(members)
+        fault: dict[str, Any] = {"kind": kind, "at_step": job()["step"]}
+        if kind == "rank_kill":
+            os.kill(victim["pid"], signal.SIGKILL)
+        elif kind == "rank_stop":
+            os.kill(victim["pid"], signal.SIGSTOP)
+        elif kind == "node":
+            node = next(n for n in sim.nodes if n.node_id == victim["node_id"])
+            sim.remove_node(node)
+            sim.nodes.remove(node)
+            wait_for(lambda: job()["current_dp"] == 1, 300, "the shrink", explain)
+            sim.nodes.append(sim.add_node(num_cpus=1))
+        elif kind == "supervisor":
+            os.kill(ray.get(supervisor().process_id.remote()), signal.SIGKILL)
+        elif kind == "api":
+            h.client.close()
+            h.service.engine.dispose()
+            h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
+        elif kind == "disk_full":
+            usage = shutil.disk_usage(disk)
+            ballast = disk / "ballast"
+            with open(ballast, "wb") as f:  # leave less than a rank file
+                f.write(b"\0" * max(0, usage.free - 8192))
+            failed = sum(e["reason"] == "save_failed" for e in events())
+            wait_for(
+                lambda n=failed: sum(e["reason"] == "save_failed" for e in events()) > n,
+                300,
+                "a failed save",
+                explain,
+            )
+            ballast.unlink()
+        injected.append(fault)
+        print(f"fault {len(injected)}: {fault}", file=sys.stderr, flush=True)
+    done = wait_for(
+        lambda: (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job()),
+        600,
+        "the job to end",
+        explain,
+    )
+    history: list[dict[str, Any]] = []
+    after = -1
+    while True:
+        page = h.client.get(
+            f"/v1/jobs/{job_id}/metrics",
+            params={"history_after": after, "history_limit": 500},
+            headers=auth,
+        ).json()
+        history += page["history"]
+        if page.get("next_after") is None:
+            break
+        after = page["next_after"]
+    log = events()
+    root = Path(settings["checkpoint_root"])
+    verdicts = {
+        str(p): describe(p, verify=True)
+        for p in sorted(root.rglob("step-*"))
+        if (p / "manifest.json").exists()
+    }
     return {
         "mounted": mounted,
         "faults": injected,

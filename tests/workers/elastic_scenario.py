@@ -12,36 +12,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
-from pathlib import Path
 
 
 def main(live: bool) -> dict:
-    from workers.cluster import use_loopback
+    from workers.cluster import SimulatedCluster
 
-    workdir = Path(tempfile.mkdtemp(prefix="zs-"))  # Ray's socket paths must stay short
-    use_loopback(workdir / "home")
-    (workdir / "tmp" / "ray").mkdir(parents=True)
-    os.environ["RAY_TMPDIR"] = str(workdir / "tmp")
-    import ray
-    from ray.cluster_utils import Cluster
+    with SimulatedCluster(nodes=2, cpus_per_node=2) as sim:
+        import ray
 
-    from tests.waiting import wait_for
-    from tests.workers.jobs import tiny_job
-    from workers.jobs import launch, stop
+        from tests.waiting import wait_for
+        from tests.workers.jobs import tiny_job
+        from workers.jobs import launch, stop
 
-    node_args = {"node_ip_address": "127.0.0.1", "temp_dir": str(workdir / "tmp" / "ray")}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, **node_args},
-    )
-    nodes = [cluster.add_node(num_cpus=2, **node_args) for _ in range(2)]
-    ray.init(address=cluster.address, namespace="zeroservice", log_to_driver=False)
-    cluster.wait_for_nodes()
-    try:
         engine = {"stage": 2, "bucket_elements": 4096}
         if live:
             engine["redundancy"] = "host-copy"
@@ -51,7 +35,7 @@ def main(live: bool) -> dict:
             checkpoint={"interval_steps": 10},
             engine=engine,
         )
-        handle = launch("elastic", spec, workdir / "ckpt")
+        handle = launch("elastic", spec, sim.workdir / "ckpt")
 
         def status():
             return ray.get(handle.status.remote())
@@ -73,11 +57,10 @@ def main(live: bool) -> dict:
             os.kill(ranks[0]["pid"], signal.SIGKILL)
             wait_for(lambda: count("resize", "grown") == 1, 180, "the grow-back", explain)
         shrinks = count("resize", "shrunk")
-        cluster.remove_node(nodes[1])
+        sim.remove_node(sim.nodes[1])
         wait_for(lambda: count("resize", "shrunk") > shrinks, 180, "the shrink", explain)
         dp_after_shrink = status()["dp"]
-        cluster.add_node(num_cpus=2, **node_args)
-        cluster.wait_for_nodes()
+        sim.add_node(num_cpus=2)
         grows = 1 if live else 0
         wait_for(lambda: count("resize", "grown") > grows, 240, "the growth", explain)
         grown_at = status()["step"]
@@ -96,10 +79,6 @@ def main(live: bool) -> dict:
             "history": [p["step"] for p in ray.get(handle.history.remote())],
             "stopped": stop("elastic"),
         }
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(workdir, ignore_errors=True)
     return summary
 
 
