@@ -221,6 +221,9 @@ def main() -> None:
     parser.add_argument("--baseline", type=float, default=20.0)
     parser.add_argument("--modes", nargs="+", default=["restart", "live"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default: results/recovery-MODEL.json)"
+    )
     args = parser.parse_args()
     results = [
         run_mode(args.model, m, args.kills, args.every, args.baseline, args.seed)
@@ -247,8 +250,8 @@ def main() -> None:
             f"{r['retrained_mean']:.1f} | {r['retrained_max']} | {r['goodput']:.2f} | "
             f"{r['join_s']:.2f}"
         )
-    out = RESULTS / f"recovery-{args.model}.json"
-    RESULTS.mkdir(exist_ok=True)
+    out = args.out or RESULTS / f"recovery-{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     config, micro_batch = MODELS[args.model]
     out.write_text(
         json.dumps({"model": config, "micro_batch": micro_batch, "results": results}, indent=1)
