@@ -62,7 +62,7 @@ def train(config: dict, steps: int = 6, watch_block: bool = False) -> dict:
     """The tiny GPT at stage 3 with ``config``: losses, one step's ledger entries, the
     memory ledger between forward and backward, and (``watch_block``) the whole units of
     blocks[0] as its forward saw them, beside this rank's shards of them."""
-    spec = sc.Spec(stage=3, persistence=0)
+    spec = sc.Spec(stage=3, persistence=0, bucket_elements=2**16)
     engine = sc.engine_for(spec, **config)
     seen: dict[int, torch.Tensor] = {}
     shards: dict[int, torch.Tensor] = {}
@@ -106,3 +106,17 @@ def train(config: dict, steps: int = 6, watch_block: bool = False) -> dict:
         "forward_units": sorted(set(g.plan.recorded(sc.Pass.FORWARD))),
         "psi_padded": sum(u.padded_numel for u in engine.units),
     }
+
+
+def train_all(configs: list[dict], steps: int) -> list[dict]:
+    """``train`` for each config in turn (one spawn for all: start-up dominates)."""
+    return [train(c, steps, watch_block=True) for c in configs]
+
+
+def engine_error(config: dict) -> str:
+    """The error an engine with ``config`` raises at construction."""
+    try:
+        sc.engine_for(sc.Spec(stage=3), **config)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
