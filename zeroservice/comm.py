@@ -21,9 +21,10 @@ link it came over. A rank is on node ``dp_rank // ranks_per_node`` (without a to
 every rank is on one node). The count is logical, per peer, whatever route the
 implementation takes: in an all-gather, a reduce-scatter or an all-to-all over a group
 of n ranks with a payload of S bytes, this rank receives S/n bytes from each of the
-other n - 1 ranks (its own chunk never moves); an all-reduce counts twice that (its
-reduce-scatter and its all-gather); a broadcast or a receive counts the whole payload
-from its source, a send nothing. Bytes from a rank on the same node are
+other n - 1 ranks (its own chunk never moves; S/n rounded down, exact for the engine's
+padded buffers); an all-reduce counts twice that (its reduce-scatter and its
+all-gather); a broadcast or a receive counts the whole payload from its source, a send
+nothing. Bytes from a rank on the same node are
 ``intra_node_bytes``, from a rank on another node ``cross_node_bytes``. So at 2 nodes
 x 2 ranks an all-gather over all four receives S/4 within the node and S/2 across;
 over the two ranks of one node, S/2 within and nothing across. With many nodes the

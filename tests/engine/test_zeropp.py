@@ -261,6 +261,17 @@ def test_all_three_cut_cross_node_bytes_below_three_quarters_psi():
     assert r["memory"]["quantization_scratch_peak"] > 0
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_qgz_replaces_the_reduce_scatter_below_stage3(stage):
+    r = run_local(zs.train_below_stage3, 2, stage, {"quantized_gradients": "int8"})[0]
+    assert r["losses"][-1] < r["losses"][0]
+    tags = _by_tag(r)
+    assert "grads" not in tags
+    g = tags["grads-int8"]
+    assert g["calls"] == len(r["units"])
+    assert g["payload_bytes"] == sum(2 * packed_bytes(p // 2, 8, BLOCK) for p in r["units"])
+
+
 # -- validation ---------------------------------------------------------------------------
 
 

@@ -120,3 +120,22 @@ def engine_error(config: dict) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def train_below_stage3(stage: int, config: dict, steps: int = 4) -> dict:
+    """The tiny GPT at stage 1 or 2 with ``config``: losses and the last step's entries."""
+    spec = sc.Spec(stage=stage, bucket_elements=2**16)
+    engine = sc.engine_for(spec, **config)
+    losses = []
+    for step in range(steps):
+        engine.comm_ledger().reset()
+        for x, y in sc._batches(spec, step):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        losses.append(sc.harness.mean_over_ranks(loss.item()))
+    return {
+        "losses": losses,
+        "entries": engine.comm_ledger().as_list(),
+        "units": [u.padded_numel for u in engine.trainable_units],
+    }
