@@ -139,8 +139,8 @@ def _table(args) -> dict:
     return rows
 
 
-def _convergence(args) -> dict:
-    out = {}
+def _convergence(args, save) -> dict:
+    out: dict[int, dict] = {}
     for seed in range(args.seeds):
         losses = run_local(run_convergence, WORLD, args.model, seed, args.conv_steps)[0]
         b, q = losses["baseline"][-1], losses["all three"][-1]
@@ -150,6 +150,7 @@ def _convergence(args) -> dict:
             f"difference {100 * (q - b) / b:+.2f}%",
             flush=True,
         )
+        save(out)  # each seed as it finishes
     return out
 
 
@@ -162,15 +163,21 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--conv-steps", type=int, default=300)
     args = p.parse_args()
-    results = {"world": WORLD, "ranks_per_node": RANKS_PER_NODE, "args": vars(args)}
+    results: dict = {"world": WORLD, "ranks_per_node": RANKS_PER_NODE, "args": vars(args)}
     if args.convergence:
-        results["convergence"] = _convergence(args)
         name = f"zeropp-convergence-{args.model}-{args.conv_steps}"
     else:
-        results["rows"] = _table(args)
         name = f"zeropp-{args.model}"
     path = Path(__file__).parent / "results" / f"{name}.json"
-    path.write_text(json.dumps(results, indent=1))
+
+    def save(key: str, value) -> None:
+        results[key] = value
+        path.write_text(json.dumps(results, indent=1))
+
+    if args.convergence:
+        _convergence(args, lambda seeds: save("convergence", seeds))
+    else:
+        save("rows", _table(args))
     print(f"wrote {path}")
 
 
