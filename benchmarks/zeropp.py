@@ -5,8 +5,8 @@ AdamW, the synthetic Markov-chain tokens. Bytes are what one step's parameter an
 gradient collectives received on rank 0 (see [Note: bytes by link] in zeroservice/comm.py),
 in units of Psi fp16 (bf16) bytes, i.e. 2 Psi bytes.
 
-    python -m benchmarks.zeropp --model small --steps 4 --warmup 1
-    python -m benchmarks.zeropp --convergence --model tiny --seeds 3 --conv-steps 300
+    python -m benchmarks.zeropp --model small --steps 3 --warmup 1
+    python -m benchmarks.zeropp --convergence --model tiny --seeds 3 --conv-steps 100
 
 ``--convergence`` trains the unquantized run and the run with all three switches from
 the same seeds and prints each seed's final loss and their relative difference.
