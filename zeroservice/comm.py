@@ -14,11 +14,28 @@ Algorithmic bandwidth is payload bytes / seconds. Bus bandwidth, as nccl-tests
 defines it, rescales it to what each link carries in a ring so that numbers are
 comparable across ops and world sizes: all-reduce x 2(n-1)/n, reduce-scatter and
 all-gather x (n-1)/n.
+
+[Note: bytes by link]
+With ``ranks_per_node`` known, each entry also splits what this rank *received* by the
+link it came over. A rank is on node ``dp_rank // ranks_per_node`` (without a topology,
+every rank is on one node). The count is logical, per peer, whatever route the
+implementation takes: in an all-gather, a reduce-scatter or an all-to-all over a group
+of n ranks with a payload of S bytes, this rank receives S/n bytes from each of the
+other n - 1 ranks (its own chunk never moves; S/n rounded down, exact for the engine's
+padded buffers); an all-reduce counts twice that (its reduce-scatter and its
+all-gather); a broadcast or a receive counts the whole payload from its source, a send
+nothing. Bytes from a rank on the same node are
+``intra_node_bytes``, from a rank on another node ``cross_node_bytes``. So at 2 nodes
+x 2 ranks an all-gather over all four receives S/4 within the node and S/2 across;
+over the two ranks of one node, S/2 within and nothing across. With many nodes the
+cross-node share of a collective over all ranks tends to its whole payload, the
+accounting of the ZeRO++ paper.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +51,7 @@ _VOLUME_FACTOR = {
     "broadcast": 1,
     "send": 1,
     "recv": 1,
+    "all_to_all": 1,
 }
 _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -42,6 +60,7 @@ _BUS_FACTOR = {
     "broadcast": lambda n: 1.0,
     "send": lambda n: 1.0,
     "recv": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
 
 
@@ -63,6 +82,10 @@ class CollectiveStats:
     payload_bytes: int = 0
     payload_elements: int = 0
     seconds: float = 0.0
+    intra_node_bytes: int = 0
+    """Bytes received from ranks on this rank's node. See [Note: bytes by link]."""
+    cross_node_bytes: int = 0
+    """Bytes received from ranks on other nodes."""
 
     @property
     def volume_elements(self) -> int:
@@ -87,6 +110,8 @@ class CollectiveStats:
             "payload_elements": self.payload_elements,
             "volume_elements": self.volume_elements,
             "seconds": self.seconds,
+            "intra_node_bytes": self.intra_node_bytes,
+            "cross_node_bytes": self.cross_node_bytes,
             "algbw_bytes_per_second": self.algbw_bytes_per_second,
             "busbw_bytes_per_second": self.busbw_bytes_per_second,
         }
@@ -105,7 +130,14 @@ class CommLedger:
     """``op/tag`` of the last collective launched."""
 
     def record(
-        self, op: str, tag: str, tensor: torch.Tensor, world: int, secs: float, impl: str
+        self,
+        op: str,
+        tag: str,
+        tensor: torch.Tensor,
+        world: int,
+        secs: float,
+        impl: str,
+        links: tuple[int, int] = (0, 0),
     ) -> None:
         key = (op, tag)
         stats = self.entries.get(key)
@@ -115,9 +147,16 @@ class CommLedger:
         stats.payload_elements += tensor.numel()
         stats.payload_bytes += tensor.numel() * tensor.element_size()
         stats.seconds += secs
+        stats.intra_node_bytes += links[0]
+        stats.cross_node_bytes += links[1]
 
     def volume_elements(self, tags: tuple[str, ...] = ("grads", "params")) -> int:
         return sum(s.volume_elements for s in self.entries.values() if s.tag in tags)
+
+    def link_bytes(self, tags: tuple[str, ...] | None = None) -> tuple[int, int]:
+        """(intra-node, cross-node) bytes received, over ``tags`` (None: all)."""
+        chosen = [s for s in self.entries.values() if tags is None or s.tag in tags]
+        return sum(s.intra_node_bytes for s in chosen), sum(s.cross_node_bytes for s in chosen)
 
     def reset(self) -> None:
         self.entries.clear()
@@ -129,13 +168,31 @@ class CommLedger:
 class Pending:
     """An in-flight collective; ``wait()`` blocks and closes its ledger entry."""
 
-    __slots__ = ("_wait", "_ledger", "_key", "_payload", "_world", "_impl", "_t0", "_done")
+    __slots__ = (
+        "_wait",
+        "_ledger",
+        "_key",
+        "_payload",
+        "_world",
+        "_impl",
+        "_t0",
+        "_done",
+        "_links",
+        "_after",
+    )
 
-    def __init__(self, wait, ledger, op, tag, payload, world, impl):
+    def __init__(self, wait, ledger, op, tag, payload, world, impl, links=(0, 0)):
         self._wait, self._ledger, self._key = wait, ledger, (op, tag)
         self._payload, self._world, self._impl = payload, world, impl
+        self._links = links
+        self._after: list[Callable[[], None]] = []
         self._t0 = time.perf_counter()
         self._done = False
+
+    def then(self, after: Callable[[], None]) -> Pending:
+        """Run ``after`` once the collective has completed (inside ``wait``)."""
+        self._after.append(after)
+        return self
 
     def wait(self) -> None:
         if self._done:
@@ -151,7 +208,10 @@ class Pending:
             secs = now - max(self._t0, self._ledger.native_busy_until)
             self._ledger.native_busy_until = now
         op, tag = self._key
-        self._ledger.record(op, tag, self._payload, self._world, secs, self._impl)
+        self._ledger.record(op, tag, self._payload, self._world, secs, self._impl, self._links)
+        for after in self._after:
+            after()
+        self._after.clear()
 
 
 def wait_all(pending: list[Pending]) -> None:
@@ -171,7 +231,12 @@ class Communicator:
     """
 
     def __init__(
-        self, group, ledger: CommLedger, impl: str = "auto", ring_chunk: int | None = None
+        self,
+        group,
+        ledger: CommLedger,
+        impl: str = "auto",
+        ring_chunk: int | None = None,
+        nodes: Sequence[int] | None = None,
     ):
         self.group, self.ledger = group, ledger
         self.world = dist.get_world_size(group)
@@ -180,11 +245,30 @@ class Communicator:
         check_collectives(impl, self.backend)
         use_ring = impl == "ring" or (impl == "auto" and self.backend == "gloo")
         self.ring = RingComm(group, ring_chunk) if use_ring and self.world > 1 else None
+        self.nodes = list(nodes) if nodes is not None else [0] * self.world
+        """The node of each group rank. See [Note: bytes by link]."""
+        assert len(self.nodes) == self.world
 
-    def _pending(self, wait, op, tag, payload, impl="native") -> Pending:
+    def _links(self, op: str, payload: torch.Tensor, peer: int | None) -> tuple[int, int]:
+        """(intra, cross) bytes this rank receives. See [Note: bytes by link]."""
+        size = payload.numel() * payload.element_size()
+        here = self.nodes[self.rank]
+        if op == "send":
+            return 0, 0
+        if peer is not None:  # broadcast, recv: the whole payload from one rank
+            if peer == self.rank:
+                return 0, 0
+            return (size, 0) if self.nodes[peer] == here else (0, size)
+        share = size // self.world * (2 if op == "all_reduce" else 1)
+        others = [n for r, n in enumerate(self.nodes) if r != self.rank]
+        same = sum(1 for n in others if n == here)
+        return share * same, share * (len(others) - same)
+
+    def _pending(self, wait, op, tag, payload, impl="native", peer=None) -> Pending:
         self.ledger.launched += 1
         self.ledger.last_launched = f"{op}/{tag}"
-        return Pending(wait, self.ledger, op, tag, payload, self.world, impl)
+        links = self._links(op, payload, peer)
+        return Pending(wait, self.ledger, op, tag, payload, self.world, impl, links)
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> Pending:
         """Sum (or ``op``) ``tensor`` in place across the group."""
@@ -196,7 +280,7 @@ class Communicator:
         g = self.group
         src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
         work = dist.broadcast(tensor, src=src, group=g, async_op=True)
-        return self._pending(work.wait, "broadcast", tag, tensor)
+        return self._pending(work.wait, "broadcast", tag, tensor, peer=src_group_rank)
 
     def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: str) -> Pending:
         """Point-to-point: ``tensor`` to the group's rank ``dst_group_rank``."""
@@ -212,7 +296,7 @@ class Communicator:
         src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
         work = dist.irecv(tensor, src, group=g)
         assert work is not None  # None only for ranks outside the group
-        return self._pending(work.wait, "recv", tag, tensor)
+        return self._pending(work.wait, "recv", tag, tensor, peer=src_group_rank)
 
     def chunk(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a buffer of N equal chunks."""
@@ -243,6 +327,12 @@ class Communicator:
             return self._pending(future.result, "all_gather", tag, buffer, "ring")
         work = dist.all_gather_single(buffer, self.chunk(buffer), group=self.group, async_op=True)
         return self._pending(work.wait, "all_gather", tag, buffer)
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, tag: str) -> Pending:
+        """Row j of ``send`` (N equal rows) goes to group rank j; row i of ``recv`` comes
+        from group rank i. The ledger counts ``send``'s bytes as the payload."""
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        return self._pending(work.wait, "all_to_all", tag, send)
 
     def buffer_bytes(self) -> int:
         return self.ring.scratch_bytes if self.ring is not None else 0

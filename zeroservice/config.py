@@ -19,6 +19,7 @@ ScheduleKind = Literal["constant", "cosine", "linear"]
 Collectives = Literal["auto", "native", "ring"]
 Grouping = Literal["blocks", "size"]
 Redundancy = Literal["none", "host-copy"]
+GradientQuantization = Literal["none", "int8", "int4"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -218,6 +219,27 @@ class ZeroConfig:
     redundancy_interval: int = 1
     """K: the host copy is refreshed after every K-th optimizer step (at most K steps of
     work are lost on a recovery from peers)."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): each rank quantizes its parameter shard to int8 in blocks
+    of ``quantization_block`` elements with an fp32 scale each before the all-gather,
+    and every rank, its own chunk included, dequantizes what arrives, so all ranks
+    compute with the same weights. Shards and masters stay full precision (see
+    [Note: block quantization] in quantize.py)."""
+    quantized_gradients: GradientQuantization = "none"
+    """ZeRO++ qgZ (stages 1-3): "int8" or "int4" replaces the gradient reduce-scatter by
+    an all-to-all of quantized slices; each rank dequantizes what it receives and sums
+    in fp32. With ``ranks_per_node`` set it goes in two hops (within the node, then
+    across nodes), quantizing once per hop. "none": the plain reduce-scatter."""
+    hierarchical_partition: bool = False
+    """ZeRO++ hpZ (stage 3, needs ``ranks_per_node``): after a unit's forward gather each
+    rank keeps a secondary shard, its 1/ranks_per_node slice of the whole unit, so the
+    backward gather runs only among the ranks of its node."""
+    ranks_per_node: int | None = None
+    """Ranks of the data-parallel group per node (consecutive ranks share a node). It
+    splits the communication ledger's bytes into intra-node and cross-node, and is the
+    topology of hpZ and of two-hop qgZ. None: all ranks on one node."""
+    quantization_block: int = 256
+    """Elements per quantization block (one fp32 scale each) for qwZ and qgZ."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     lr_schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train_micro_batch_size: int | None = None
@@ -297,9 +319,48 @@ class ZeroConfig:
             "redundancy_interval",
             f"{self.redundancy_interval!r} must be an integer >= 1",
         )
+        self._check_zeropp()
         _require(self.gradient_clipping >= 0, "gradient_clipping", "must be >= 0 (0 disables)")
         if self.train_micro_batch_size is not None:
             _require(self.train_micro_batch_size >= 1, "train_micro_batch_size", "must be >= 1")
+
+    def _check_zeropp(self) -> None:
+        for name in ("quantized_weights", "hierarchical_partition"):
+            _require(isinstance(getattr(self, name), bool), name, "must be true or false")
+            _require(
+                not getattr(self, name) or self.stage == 3,
+                name,
+                f"needs stage 3 (parameters are gathered only there); stage is {self.stage}",
+            )
+        _require(
+            self.quantized_gradients in ("none", "int8", "int4"),
+            "quantized_gradients",
+            f"{self.quantized_gradients!r} is not 'none', 'int8' or 'int4'",
+        )
+        _require(
+            self.quantized_gradients == "none" or self.stage >= 1,
+            "quantized_gradients",
+            "needs stage 1, 2 or 3 (stage 0 all-reduces gradients, there is no "
+            "reduce-scatter to replace)",
+        )
+        _require(
+            self.ranks_per_node is None
+            or (_is_int(self.ranks_per_node) and self.ranks_per_node >= 1),
+            "ranks_per_node",
+            f"{self.ranks_per_node!r} must be an integer >= 1 (or null: one node)",
+        )
+        _require(
+            not self.hierarchical_partition or self.ranks_per_node is not None,
+            "hierarchical_partition",
+            "needs ranks_per_node (the secondary shard is partitioned within a node)",
+        )
+        _require(
+            _is_int(self.quantization_block)
+            and self.quantization_block >= 8
+            and self.quantization_block % 8 == 0,
+            "quantization_block",
+            f"{self.quantization_block!r} must be a multiple of 8, at least 8",
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ZeroConfig:

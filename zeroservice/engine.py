@@ -37,6 +37,7 @@ from .memory import (
 )
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
 from .precision import DynamicLossScaler, param_dtype, reduce_dtype
+from .quantize import BITS
 from .reduce import GradReducer
 from .redundancy import HostCopies
 from .schedule import lr_factor
@@ -44,6 +45,7 @@ from .stages import policy_for
 from .state import StateCell, TrainingState
 from .tensor_parallel import MPGroup, is_mp_sharded
 from .units import plan_layout
+from .zeropp import NodeGroups, Scratch, Secondary, build_node_groups, node_of
 
 if TYPE_CHECKING:
     from .checkpoint.background import SaveHandle
@@ -109,11 +111,24 @@ class Engine:
         # C_B, a multiple of N_d: staging buffers hold it, the ring reduces C_B / N_d
         # columns at a time. See [Note: constant buffers] in reduce.py.
         block = padded_size(budget.unit_elements, self.dp_world)
+        rpn = config.ranks_per_node
+        if rpn is not None and self.dp_world % rpn:
+            raise ConfigError(
+                f"ranks_per_node: {rpn} does not divide the data-parallel world {self.dp_world}"
+            )
         self.comm = comm.Communicator(
-            group, self.ledger, config.collectives, ring_chunk=block // self.dp_world
+            group,
+            self.ledger,
+            config.collectives,
+            ring_chunk=block // self.dp_world,
+            nodes=[node_of(r, rpn) for r in range(self.dp_world)],
         )
         self.mp_group = mp_group
         self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
+        self.node_groups = self._node_groups()
+        """The node's and the cross-node communicators (hpZ, two-hop qgZ), or None."""
+        self.quant_scratch = Scratch()
+        """qwZ/qgZ send and receive buffers (the memory ledger's ``quantization_scratch``)."""
         self.mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
         self.mp = MPGroup(mp_group) if self.mp_size > 1 else None
         """The engine's own MP collectives (the gradient norm, P_a's gathers), with their
@@ -178,6 +193,13 @@ class Engine:
             staging=cache if grad_comm_dtype == dtype else None,
             bucket_elements=budget.unit_elements,
             module=module,
+            quantized=(
+                (BITS[config.quantized_gradients], config.quantization_block)
+                if config.quantized_gradients != "none"
+                else None
+            ),
+            node=self.node_groups if config.quantized_gradients != "none" else None,
+            scratch=self.quant_scratch,
         )
         if self.policy.partitions_params:
             assert cache is not None
@@ -194,6 +216,13 @@ class Engine:
                 persistence_elements=budget.persistence_elements,
                 persistent_total=budget.persistent_total,
                 check=GatherCheck(group, self.units) if config.stage3_check_gathers else None,
+                quantize_block=config.quantization_block if config.quantized_weights else None,
+                secondary=(
+                    Secondary(self.node_groups)
+                    if config.hierarchical_partition and self.node_groups is not None
+                    else None
+                ),
+                scratch=self.quant_scratch,
             )
         self.optimizer = ShardedOptimizer(
             self.trainable_units,
@@ -259,6 +288,20 @@ class Engine:
             with torch.autograd.graph.saved_tensors_hooks(g.saved.pack, g.saved.unpack):
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    def _node_groups(self) -> NodeGroups | None:
+        """The two-level topology's groups, when hpZ or qgZ use it (collective)."""
+        cfg = self.config
+        if cfg.ranks_per_node is None or self.dp_world == 1:
+            return None
+        if not (cfg.hierarchical_partition or cfg.quantized_gradients != "none"):
+            return None
+        if self.mp_group is not None and self.mp_size > 1:
+            raise ConfigError(
+                "ranks_per_node: hierarchical ZeRO++ groups are not supported with model "
+                f"parallelism (mp = {self.mp_size})"
+            )
+        return build_node_groups(self.group, cfg.ranks_per_node, self.ledger, cfg.collectives)
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers to every rank before a forward (DDP's broadcast_buffers)."""
@@ -386,6 +429,16 @@ class Engine:
             activations_peak=acts.peak_bytes if acts else 0,
             activation_arena=acts.arena_bytes if acts else 0,
             redundancy_host=self.host_copies.nbytes if self.host_copies else 0,
+            secondary_params=(
+                self.gatherer.secondary.bytes if self.gatherer and self.gatherer.secondary else 0
+            ),
+            secondary_peak=(
+                self.gatherer.secondary.peak_bytes
+                if self.gatherer and self.gatherer.secondary
+                else 0
+            ),
+            quantization_scratch=self.quant_scratch.current,
+            quantization_scratch_peak=self.quant_scratch.peak,
         )
 
     def mp_ledger(self) -> comm.CommLedger | None:
@@ -602,6 +655,9 @@ class Engine:
         if self.gatherer is not None:
             self.gatherer.close()
         self.comm.close()
+        if self.node_groups is not None:
+            self.node_groups.local.close()
+            self.node_groups.cross.close()
 
     def _sync_initial_state(self, params: bool) -> None:
         """Start every rank from rank 0's weights and buffers, as DDP does."""

@@ -27,6 +27,8 @@ Three things make this hold for arbitrary models:
   reduction] in reduce.py.
 
 Prefetching follows each pass's recorded order: see [Note: prefetch] in prefetch.py.
+With ZeRO++ switched on, parameter gathers are quantized (qwZ) and backward gathers run
+within the node from secondary shards (hpZ): see [Note: ZeRO++ collectives] in zeropp.py.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from .prefetch import PrefetchPlan
 from .reduce import GradReducer
 from .saved_tensors import SavedTensorRefs
 from .state import Pass
+from .zeropp import Scratch, Secondary, quantized_all_gather
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -88,8 +91,16 @@ class ParamGatherer:
         persistence_elements: int,
         persistent_total: int | None = None,
         check: GatherCheck | None = None,
+        quantize_block: int | None = None,
+        secondary: Secondary | None = None,
+        scratch: Scratch | None = None,
     ):
         self.root, self.units, self.comm, self.reducer = root, units, communicator, reducer
+        self.quantize_block = quantize_block
+        """qwZ: parameter gathers travel as int8 blocks of this size (None: off)."""
+        self.secondary = secondary
+        """hpZ: secondary shards kept by forward gathers for backward (None: off)."""
+        self.scratch = scratch if scratch is not None else Scratch()
         self.check = check
         """Debug consensus on every gather (see gather_check.py), or None."""
         self.prefetch_elements = prefetch_elements
@@ -153,6 +164,8 @@ class ParamGatherer:
         """A group's forward begins: gather its units into a new window."""
         if is_root and not self._windows:
             self.plan.begin(Pass.FORWARD)
+            if self.secondary is not None:
+                self.secondary.clear()  # the weights changed since they were kept
         window: list[int] = []
         self._windows.append(window)
         graph = torch.is_grad_enabled() and (
@@ -237,6 +250,8 @@ class ParamGatherer:
         """After the reducer finished: drop what backward gathered, reset the node counts."""
         self._release_all()
         self.cache.clear()
+        if self.secondary is not None:
+            self.secondary.clear()
         self._expected = [0] * len(self.units)
         self._fired = [0] * len(self.units)
         self.plan.end(Pass.BACKWARD)
@@ -259,16 +274,30 @@ class ParamGatherer:
         return buffer
 
     # -- gathering ------------------------------------------------------------------
-    def _gather_into(self, index: int, buffer: torch.Tensor, tag: str = "params") -> comm.Pending:
+    def _gather_into(
+        self, index: int, buffer: torch.Tensor, tag: str = "params", phase: Pass | None = None
+    ) -> comm.Pending:
         if self.check is not None:
             self.check.agree(index)
-        self.comm.chunk(buffer).copy_(self.units[index].flat)
-        return self.comm.all_gather(buffer, tag)
+        hpz = self.secondary
+        if hpz is not None and phase is Pass.BACKWARD and index in hpz.shards:
+            return hpz.gather(index, buffer)
+        if self.quantize_block is not None and tag == "params":
+            flat = self.units[index].flat
+            pending = quantized_all_gather(
+                self.comm, flat, buffer, self.quantize_block, self.scratch
+            )
+        else:
+            self.comm.chunk(buffer).copy_(self.units[index].flat)
+            pending = self.comm.all_gather(buffer, tag)
+        if hpz is not None and phase is Pass.FORWARD and torch.is_grad_enabled():
+            pending.then(partial(hpz.keep, index, buffer))
+        return pending
 
-    def _issue(self, index: int) -> comm.Pending:
+    def _issue(self, index: int, phase: Pass | None = None) -> comm.Pending:
         unit = self.units[index]
         buffer = self.cache.take(unit.padded_numel)
-        pending = self._gather_into(index, buffer)
+        pending = self._gather_into(index, buffer, phase=phase)
         self._live[index] = _Live(buffer, pending)
         self._by_storage[buffer.untyped_storage().data_ptr()] = index
         self.live_elements += unit.padded_numel
@@ -289,7 +318,7 @@ class ParamGatherer:
             return
         following = self.plan.record(index, phase)
         if index not in self._live:
-            self._issue(index)
+            self._issue(index, phase)
             self.on_demand_gathers += 1
         if following:
             self._prefetch(phase)
@@ -301,7 +330,7 @@ class ParamGatherer:
                 continue
             if self.live_elements + self.units[index].padded_numel > self.prefetch_elements:
                 return
-            self._issue(index)
+            self._issue(index, phase)
             self.prefetched_gathers += 1
 
     def _release(self, index: int) -> None:

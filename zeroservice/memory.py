@@ -145,6 +145,16 @@ class MemoryLedger:
     """Host bytes of the peers' redundancy copies this rank holds (its own state and its
     ring neighbour's, ``redundancy="host-copy"``); 0 without redundancy."""
 
+    secondary_params: int = 0
+    """hpZ: bytes of the secondary shards held now (1/ranks_per_node of every unit a
+    forward gathered, kept for the backward gather within the node)."""
+    secondary_peak: int = 0
+    """hpZ: the most secondary-shard bytes held at once so far."""
+    quantization_scratch: int = 0
+    """qwZ/qgZ: bytes of the quantized send and receive buffers alive now."""
+    quantization_scratch_peak: int = 0
+    """qwZ/qgZ: the most such bytes alive at once so far."""
+
     @property
     def host_bytes(self) -> int:
         """Model states in host memory: master + optimizer states when offloaded."""
@@ -167,6 +177,8 @@ class MemoryLedger:
             + self.optimizer_other
             + self.comm_buffers
             + self.gathered_params
+            + self.secondary_params
+            + self.quantization_scratch
         )
 
     def as_dict(self) -> dict[str, int | str | None]:

@@ -71,6 +71,7 @@ from .flat import FlatUnit, padded_size
 from .launch_order import FirstUse, agreed, complete
 from .stages import StagePolicy
 from .state import StateCell, TrainingState
+from .zeropp import NodeGroups, Scratch, quantized_reduce_scatter
 
 
 @dataclass
@@ -105,8 +106,16 @@ class GradReducer:
         staging: BufferSource | None = None,
         bucket_elements: int | None = None,
         module: nn.Module | None = None,
+        quantized: tuple[int, int] | None = None,
+        node: NodeGroups | None = None,
+        scratch: Scratch | None = None,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
+        self.quantized = quantized
+        """qgZ: (bits, block) of the quantized all-to-all that replaces the reduce-scatter
+        (None: off); two hops over ``node`` when given. See [Note: ZeRO++ collectives]."""
+        self.node = node
+        self.scratch = scratch if scratch is not None else Scratch()
         self.state = state
         self.overlap = overlap
         device = units[0].flat.device
@@ -394,6 +403,12 @@ class GradReducer:
         if self.policy.shard_world == 1:
             pending = self.comm.all_reduce(source, "grads")
             reduced = source
+        elif self.quantized is not None:
+            bits, block = self.quantized
+            pending = quantized_reduce_scatter(
+                self.comm, source, bits, block, self.scratch, self.node
+            )
+            reduced = self.comm.chunk(source)
         else:
             # In place: the sum lands in this rank's chunk of the source.
             pending = self.comm.reduce_scatter(source, "grads")
