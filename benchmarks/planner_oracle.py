@@ -195,6 +195,15 @@ def trial(case: Case) -> dict:
     }
 
 
+def trials(cases: list[Case]) -> list[dict]:
+    """``trial`` for each case in turn, in the same ranks (each with its own baseline)."""
+    out = []
+    for case in cases:
+        out.append(trial(case))
+        gc.collect()
+    return out
+
+
 def run_case(case: Case) -> dict:
     t0 = time.time()
     ranks = run_local(trial, WORLD, case, timeout_s=600)
@@ -248,6 +257,14 @@ def _print_table(rows: list[dict], header: bool = True) -> dict:
     return worst
 
 
+def _write(path: Path, malloc: str, rows: list[dict]) -> None:
+    shapes = {k: {"gpt": asdict(c), "micro_batch": b} for k, (c, b) in SHAPES.items()}
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    summary = {"malloc": malloc, "world": WORLD, "steps": STEPS, "shapes": shapes}
+    summary["worst_error"] = worst["error"]
+    path.write_text(json.dumps({**summary, "rows": rows}, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="all 128 combinations")
@@ -255,12 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument(
-        "--rescore", metavar="JSON", help="predict again for the measurements of a results file"
+        "--rescore",
+        metavar="JSON",
+        help="predict again for the measurements of a results file (rewritten in place)",
     )
     args = parser.parse_args(argv)
     if args.rescore:
-        rows = [score(r) for r in json.loads(Path(args.rescore).read_text())["rows"]]
+        before = json.loads(Path(args.rescore).read_text())
+        rows = [score(r) for r in before["rows"]]
         _print_table(rows)
+        _write(Path(args.rescore), before["malloc"], rows)
+        print(f"rewrote {args.rescore} with today's predictions")
         return 0
     if args.default_malloc:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -270,29 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in matrix(args.full) if args.only in c.name]
     print(f"{len(cases)} configurations, world {WORLD}, {STEPS} steps each", flush=True)
     print(HEADER, flush=True)
-    rows = []
-    for case in cases:
-        rows.append(run_case(case))
-        print(_row(rows[-1]), flush=True)
-    worst = _print_table(rows, header=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     malloc = "default" if args.default_malloc else "mmap"
     path = out / f"planner-oracle-{malloc}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    shapes = {k: {"gpt": asdict(c), "micro_batch": b} for k, (c, b) in SHAPES.items()}
-    path.write_text(
-        json.dumps(
-            {
-                "malloc": malloc,
-                "world": WORLD,
-                "steps": STEPS,
-                "shapes": shapes,
-                "worst_error": worst["error"],
-                "rows": rows,
-            },
-            indent=2,
-        )
-    )
+    rows: list[dict] = []
+    for case in cases:
+        rows.append(run_case(case))
+        print(_row(rows[-1]), flush=True)
+        _write(path, malloc, rows)  # after every row: a stopped run keeps what it measured
+    _print_table(rows, header=False)
     print(f"wrote {path}")
     return 0
 

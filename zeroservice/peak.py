@@ -104,8 +104,8 @@ class PeakPrediction:
     host_grads: int
     """ZeRO-Offload's fp32 gradient shard in host memory (the ledger's ``host_grads``)."""
     staging: int
-    """Gradient staging buffers (reduce.py's pool): the ledger counts them in
-    ``comm_buffers``."""
+    """Gradient staging buffers (reduce.py's pool) as allocated: the ledger counts them
+    in ``comm_buffers``. The totals count the pages the units staged in them write."""
     ring: int
     """The ring's receive scratch (ring.py): also in the ledger's ``comm_buffers``."""
     gathered: int
@@ -244,11 +244,14 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
 
     # Resident buffers (reduce.py, ring.py, gather.py's cache at stage 3).
     largest = max(units.sizes)
-    staging = 0
+    staging = written = 0
     if c.stage == 2:
+        # Two buffers of min(largest unit, C_B). A page is resident once written: the
+        # units staged in them reach that far, and with one unit one buffer is written.
         staging = 2 * min(largest, units.block) * p
+        written = sum(min(n, units.block) for n in sorted(units.sizes)[-2:]) * p
     elif c.stage == 3 and largest > units.block:
-        staging = 2 * units.block * p
+        staging = written = 2 * units.block * p
     ring = 0
     if c.dp > 1:
         largest_shard = largest // (c.dp if c.stage > 0 else 1)
@@ -263,8 +266,9 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     tail = 2 * tokens * h * p + 2 * tokens * 4  # ln_f's input and output; its mean, rstd
     checkpoint = -(-tokens * h // t) if c.partition_activations else tokens * h
     arena = cfg.n_layer * checkpoint * p if c.activation_checkpointing else 0
-    saved = arena + tokens * h * p if c.activation_checkpointing else cfg.n_layer * block
-    resident = states + host_grads + staging + ring + gathered
+    # Checkpointed, the blocks' tensors are gone after each block; the arena holds inputs.
+    saved = 0 if c.activation_checkpointing else cfg.n_layer * block
+    resident = states + host_grads + written + ring + gathered
     logits = tokens * v
     if t == 1:
         # F.cross_entropy(logits.float()): logits, their fp32 copy (bf16 only), log_softmax.
@@ -278,7 +282,7 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         loss_bwd = logits * (4 + (p if p != 4 else 0))
     forward = {
         "resident": resident,
-        "activations": saved - arena + tail,
+        "activations": saved + tail,
         "arena": arena,
         "loss": loss_fwd,
     }
@@ -289,11 +293,25 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         "loss": loss_bwd,
     }
     phases = {"forward": forward, "backward": backward_start}
+    # Stage 3 stages gradients in unit-sized buffers borrowed from the gather cache, at
+    # most two in flight (reduce.py): beside the blocks' backward, not at its first node.
+    borrowed = 0
+    if c.stage == 3:
+        others = sorted(n for g in units.groups[1:] for n in g if n <= units.block)
+        borrowed = sum(others[-2:]) * p
     if c.activation_checkpointing:
-        # Recomputing one block: the loaded input (cloned, or gathered with P_a), the
-        # block's saved tensors, the gradients flowing through it.
-        working = block + 2 * tokens * h * p + tokens * f // t * p * 2
-        phases["recompute"] = {"resident": resident, "arena": arena, "activations": working}
+        phases["recompute"] = {
+            "resident": resident,
+            "arena": arena,
+            "activations": _recompute_bytes(c, block, tokens, p),
+            "gradient staging": borrowed,
+        }
+    elif borrowed:
+        phases["blocks"] = {
+            "resident": resident,
+            "activations": saved + tokens * h * p,
+            "gradient staging": borrowed,
+        }
     phases["step"] = {"resident": resident + arena, "fp32 gradients": _step_casts(c, units)}
     totals = {k: sum(v.values()) + MALLOC_SLACK for k, v in phases.items()}
     where = max(totals, key=lambda k: totals[k])
@@ -309,6 +327,18 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         phases=totals,
         breakdown=phases,
     )
+
+
+def _recompute_bytes(c: PeakConfig, block: int, tokens: int, p: int) -> int:
+    """The last block's recomputation and the first node of its backward (activations.py):
+    its input loaded whole (a clone of the arena slot, or gathered over MP with P_a), the
+    block's saved tensors again, the gradient arriving at its output, and mlp.proj's
+    backward making the gradient of its input (B x f/t) and of its weight (f/t x h).
+    A tied head's weight gradient waits in autograd's buffer for the embedding's
+    (V/t x h) all through the blocks' backward."""
+    h, f, t = c.gpt.dim, c.gpt.dim * c.gpt.mlp_ratio, c.mp
+    tied = c.gpt.vocab_size // t * h if c.gpt.tie_weights else 0
+    return block + (2 * tokens * h + tokens * f // t + f // t * h + tied) * p
 
 
 def _step_casts(c: PeakConfig, units: _Units) -> int:
