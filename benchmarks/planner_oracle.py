@@ -130,12 +130,12 @@ def matrix(full: bool) -> list[Case]:
     return list(dict.fromkeys(cases))
 
 
-def _engine(case: Case, cfg: GPTConfig, topo):
+def _engine(engine_config: dict, mp: int, cfg: GPTConfig, topo):
     with zeroservice.deferred_init():
-        model = GPT(cfg, MPGroup(topo.mp_group) if case.mp > 1 else None)
+        model = GPT(cfg, MPGroup(topo.mp_group) if mp > 1 else None)
     return zeroservice.initialize(
         model,
-        case.engine_config(),
+        engine_config,
         lambda ps: torch.optim.AdamW(ps, lr=1e-4),
         init=GPT.initializer(cfg),
         topology=topo,
@@ -167,10 +167,16 @@ def _mark(marks: list | None, phase: str | None = None, step: int = 0) -> None:
 
 def trial(case: Case) -> dict:
     """In each rank: the peak above the baseline (see the module's docstring)."""
-    topo = zeroservice.build_topology(case.mp)
     cfg, batch = SHAPES[case.shape]
+    return measure(cfg, batch, case.mp, case.engine_config())
+
+
+def measure(cfg: GPTConfig, batch: int, mp: int, engine_config: dict) -> dict:
+    """In each rank: train ``cfg`` with ``engine_config`` (MP ``mp``) and return the peak
+    above the baseline, the phase that holds it and the engine's ledger."""
+    topo = zeroservice.build_topology(mp)
     tiny = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32)
-    warm = _engine(case, tiny, topo)
+    warm = _engine(engine_config, mp, tiny, topo)
     _train(warm, tiny, 2, topo, 1, None)
     warm.close()
     del warm
@@ -179,7 +185,7 @@ def trial(case: Case) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     base = process_status_kib("VmRSS")
     marks: list = []
-    engine = _engine(case, cfg, topo)
+    engine = _engine(engine_config, mp, cfg, topo)
     built = process_status_kib("VmHWM")
     _train(engine, cfg, batch, topo, STEPS, marks)
     ledger = engine.memory_ledger()
