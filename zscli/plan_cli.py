@@ -49,7 +49,7 @@ _FLAGS = {
     "headroom": "--headroom",
     "partition_activations": "--partition-activations",
     "cpu_offload_activations": "--cpu-offload-activations",
-    "world": "--world",
+    "world": "--ranks",
     "memory_per_rank": "--memory-per-rank",
     "margin": "--margin",
     "model": "--params or --gpt-layers/--gpt-dim/--gpt-heads",
@@ -112,7 +112,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     modes = p.add_argument_group("other modes")
     modes.add_argument("--paper", action="store_true", help="print the paper's Table 1")
     modes.add_argument("--recommend", action="store_true", help="choose stage, N_d, N_m")
-    modes.add_argument("--ranks", type=int, help="recommend: devices in all")
+    modes.add_argument("--ranks", type=int, help="recommend, auto: devices in all")
     modes.add_argument("--devices-per-node", type=int, help="recommend: N_m stays in a node")
     modes.add_argument("--device-memory", type=_size, help="recommend: e.g. 80GiB")
     modes.add_argument("--headroom", type=float, default=0.9, help="usable share (0.9)")
@@ -121,7 +121,6 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="the reference GPT's fastest configuration whose predicted peak fits",
     )
-    modes.add_argument("--world", type=int, help="auto: ranks in all")
     modes.add_argument("--memory-per-rank", type=_size, help="auto: e.g. 512MiB")
     modes.add_argument("--margin", type=float, default=0.10, help="auto: on the peak (0.10)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -153,12 +152,12 @@ def _auto(args: argparse.Namespace, model: planner.ModelSpec) -> int:
 
     if model.gpt is None:
         raise _UsageError("--auto: describe the reference GPT (--gpt-layers/--gpt-dim/--gpt-heads)")
-    for flag, value in (("--world", args.world), ("--memory-per-rank", args.memory_per_rank)):
+    for flag, value in (("--ranks", args.ranks), ("--memory-per-rank", args.memory_per_rank)):
         if value is None:
             raise _UsageError(f"{flag}: required with --auto")
     result = auto_configure(
         model.gpt,
-        world=args.world,
+        world=args.ranks,
         memory_per_rank=args.memory_per_rank,
         precision=args.precision,
         micro_batch=args.micro_batch or 1,

@@ -51,13 +51,13 @@ def test_refuses_with_numbers():
 
 def test_cli_auto(capsys):
     shape = ["--gpt-layers", "6", "--gpt-dim", "256", "--gpt-heads", "4", "--vocab", "2048"]
-    run = ["plan", "--auto", *shape, "--seq", "128", "--micro-batch", "4", "--world", "2"]
+    run = ["plan", "--auto", *shape, "--seq", "128", "--micro-batch", "4", "--ranks", "2"]
     assert main([*run, "--precision", "fp32", "--memory-per-rank", "70MiB"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("chosen: ZeRO stage") and '"stage":' in out
     assert main([*run, "--precision", "fp32", "--memory-per-rank", "40MiB"]) == 1
     assert "nothing fits" in capsys.readouterr().err
-    assert main(["plan", "--auto", *shape, "--world", "2"]) == 2
+    assert main(["plan", "--auto", *shape, "--ranks", "2"]) == 2
     assert "--memory-per-rank" in capsys.readouterr().err
 
 
