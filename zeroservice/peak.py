@@ -274,17 +274,7 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     # Checkpointed, the blocks' tensors are gone after each block; the arena holds inputs.
     saved = 0 if c.activation_checkpointing else cfg.n_layer * block
     resident = states + host_grads + written + ring + gathered
-    logits = tokens * v
-    if t == 1:
-        # F.cross_entropy(logits.float()): logits, their fp32 copy (bf16 only), log_softmax.
-        loss_fwd = logits * (p + (4 if p != 4 else 0) + 4)
-        # log_softmax's backward: its output, nll's gradient and its own, all fp32.
-        loss_bwd = 3 * logits * 4
-    else:
-        # tensor_parallel._VocabParallelCrossEntropy: logits, fp32 copy, shifted, exp.
-        loss_fwd = logits * (p + (4 if p != 4 else 0) + 4 + 4)
-        # backward: exp turned into the gradient in place, cast back (bf16).
-        loss_bwd = logits * (4 + (p if p != 4 else 0))
+    loss_fwd, loss_bwd = _loss_bytes(tokens * v, p, t)
     forward = {
         "resident": resident,
         "activations": saved + tail,
@@ -332,6 +322,19 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         phases=totals,
         breakdown=phases,
     )
+
+
+def _loss_bytes(logits: int, p: int, t: int) -> tuple[int, int]:
+    """Bytes the loss holds at the forward's peak and at the backward's first node, for
+    ``logits`` elements (this rank's B x V/t) in a dtype of ``p`` bytes."""
+    cast = 4 if p != 4 else 0  # .float() copies 16-bit logits; on fp32 it is a no-op
+    if t == 1:
+        # F.cross_entropy(logits.float()): logits, their fp32 copy, the log-softmax; its
+        # backward: the log-softmax, nll's gradient and its own gradient, all fp32.
+        return logits * (p + cast + 4), 3 * logits * 4
+    # tensor_parallel._VocabParallelCrossEntropy: logits, fp32 copy, shifted, exp; its
+    # backward turns exp into the gradient in place and casts it back (16-bit).
+    return logits * (p + cast + 4 + 4), logits * (4 + (p if p != 4 else 0))
 
 
 def _recompute_bytes(c: PeakConfig, block: int, tokens: int, p: int) -> int:
