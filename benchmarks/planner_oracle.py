@@ -21,6 +21,7 @@ runs under glibc's default instead.
 
     python -m benchmarks.planner_oracle                 # the matrix, printed, JSON written
     python -m benchmarks.planner_oracle --full          # every combination (slow)
+    python -m benchmarks.planner_oracle --rescore FILE  # today's predictions, stored measurements
 """
 
 from __future__ import annotations
