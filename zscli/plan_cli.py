@@ -49,6 +49,9 @@ _FLAGS = {
     "headroom": "--headroom",
     "partition_activations": "--partition-activations",
     "cpu_offload_activations": "--cpu-offload-activations",
+    "world": "--ranks",
+    "memory_per_rank": "--memory-per-rank",
+    "margin": "--margin",
     "model": "--params or --gpt-layers/--gpt-dim/--gpt-heads",
 }
 
@@ -109,30 +112,69 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     modes = p.add_argument_group("other modes")
     modes.add_argument("--paper", action="store_true", help="print the paper's Table 1")
     modes.add_argument("--recommend", action="store_true", help="choose stage, N_d, N_m")
-    modes.add_argument("--ranks", type=int, help="recommend: devices in all")
+    modes.add_argument("--ranks", type=int, help="recommend, auto: devices in all")
     modes.add_argument("--devices-per-node", type=int, help="recommend: N_m stays in a node")
     modes.add_argument("--device-memory", type=_size, help="recommend: e.g. 80GiB")
     modes.add_argument("--headroom", type=float, default=0.9, help="usable share (0.9)")
+    modes.add_argument(
+        "--auto",
+        action="store_true",
+        help="the reference GPT's fastest configuration whose predicted peak fits",
+    )
+    modes.add_argument("--memory-per-rank", type=_size, help="auto: e.g. 512MiB")
+    modes.add_argument("--margin", type=float, default=0.10, help="auto: on the peak (0.10)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_plan)
     return p
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """0: printed; 1: a recommendation found nothing that fits; 2: bad input."""
+    """0: printed; 1: a recommendation (or --auto) found nothing that fits; 2: bad input."""
     from zeroservice import planner
 
     try:
         if args.paper:
             return _paper(args)
         model = _model(args)
+        if args.auto:
+            return _auto(args, model)
         return _recommend(args, model) if args.recommend else _plan(args, model)
     except _UsageError as exc:
         print(f"zeroservice plan: {exc}", file=sys.stderr)
-    except planner.PlanError as exc:
+    except (planner.PlanError, ValueError) as exc:
         field, _, rest = str(exc).partition(": ")
         print(f"zeroservice plan: {_FLAGS.get(field, field)}: {rest}", file=sys.stderr)
     return 2
+
+
+def _auto(args: argparse.Namespace, model: planner.ModelSpec) -> int:
+    from zeroservice.autoconf import auto_configure
+
+    if model.gpt is None:
+        raise _UsageError("--auto: describe the reference GPT (--gpt-layers/--gpt-dim/--gpt-heads)")
+    for flag, value in (("--ranks", args.ranks), ("--memory-per-rank", args.memory_per_rank)):
+        if value is None:
+            raise _UsageError(f"{flag}: required with --auto")
+    result = auto_configure(
+        model.gpt,
+        world=args.ranks,
+        memory_per_rank=args.memory_per_rank,
+        precision=args.precision,
+        micro_batch=args.micro_batch or 1,
+        seq_len=args.seq,
+        margin=args.margin,
+    )
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    elif result.choice is None:
+        print(f"zeroservice plan: {result.reason}", file=sys.stderr)
+    else:
+        print(f"chosen: {result.reason}")
+        print(f"engine: {json.dumps(result.choice.engine_config())}")
+        kinds = result.choice.peak.breakdown[result.choice.peak.phase]
+        for kind, n in kinds.items():
+            print(f"  {kind:<20}{n:>16,} bytes")
+    return 0 if result.fits else 1
 
 
 def _model(args: argparse.Namespace) -> planner.ModelSpec:

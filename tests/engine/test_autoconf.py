@@ -1,0 +1,114 @@
+"""Automatic configuration: the fastest configuration that fits, a refusal with numbers,
+the command's flag, and chosen configurations that stay within their budget when run."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from benchmarks.planner_oracle import measure
+from zeroservice.autoconf import auto_configure
+from zeroservice.launch import run_local
+from zeroservice.models import GPTConfig
+from zscli.cli import main
+
+DEEP = GPTConfig(vocab_size=2048, seq_len=128, n_layer=6, n_head=4, dim=256)
+MIB = 2**20
+
+
+def test_choice_is_the_fastest_that_fits():
+    result = auto_configure(DEEP, world=2, memory_per_rank=70 * MIB, micro_batch=4)
+    assert result.fits and result.choice is not None
+    fitting = [a for a in result.candidates if a.peak.peak * 1.1 <= 70 * MIB]
+    assert result.choice.step_seconds == min(a.step_seconds for a in fitting)
+    assert 0 < len(fitting) < len(result.candidates)  # the budget rules some out
+    # Every stage, N_m in {1, 2}, checkpointing, offload and two bucket sizes were weighed.
+    configs = {(a.config.stage, a.config.mp, a.config.activation_checkpointing) for a in fitting}
+    assert len(result.candidates) == 4 * 2 * 2 * 2 * 2
+    assert configs
+    assert "predicted peak" in result.reason and "70.00 MiB" in result.reason
+
+
+def test_more_memory_never_chooses_a_slower_configuration():
+    times = [
+        auto_configure(DEEP, world=2, memory_per_rank=m * MIB, micro_batch=4).choice
+        for m in (60, 80, 120, 400)
+    ]
+    seconds = [c.step_seconds for c in times if c is not None]
+    assert seconds == sorted(seconds, reverse=True)
+
+
+def test_refuses_with_numbers():
+    result = auto_configure(DEEP, world=2, memory_per_rank=40 * MIB, micro_batch=4)
+    assert not result.fits and result.choice is None
+    smallest = min(a.peak.peak for a in result.candidates)
+    assert result.smallest.peak.peak == smallest
+    assert "nothing fits" in result.reason and "40.00 MiB" in result.reason
+    assert f"{smallest / MIB:.2f} MiB" in result.reason
+
+
+def test_cli_auto(capsys):
+    shape = ["--gpt-layers", "6", "--gpt-dim", "256", "--gpt-heads", "4", "--vocab", "2048"]
+    run = ["plan", "--auto", *shape, "--seq", "128", "--micro-batch", "4", "--ranks", "2"]
+    assert main([*run, "--precision", "fp32", "--memory-per-rank", "70MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("chosen: ZeRO stage") and '"stage":' in out
+    assert main([*run, "--precision", "fp32", "--memory-per-rank", "40MiB"]) == 1
+    assert "nothing fits" in capsys.readouterr().err
+    assert main(["plan", "--auto", *shape, "--ranks", "2"]) == 2
+    assert "--memory-per-rank" in capsys.readouterr().err
+
+
+def _triples(n: int, seed: int) -> list[tuple[GPTConfig, int, int, dict, int]]:
+    """Random small GPTs, precisions and budgets between 1.05x and 1.8x their smallest
+    need (margin included), each with the chosen configuration: (model, micro-batch,
+    N_m, engine config, budget)."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        heads = rng.choice([2, 3, 4])  # 3 heads: N_m = 1, so the ZeRO stage decides
+        cfg = GPTConfig(
+            vocab_size=rng.choice([1024, 2048]),
+            seq_len=rng.choice([64, 128]),
+            n_layer=rng.randint(2, 4),
+            n_head=heads,
+            dim=heads * rng.choice([48, 64]),
+            tie_weights=rng.random() < 0.5,
+        )
+        batch = rng.choice([2, 4])
+        precision = rng.choice(["fp32", "bf16"])
+        floor = auto_configure(
+            cfg, world=2, memory_per_rank=2**40, micro_batch=batch, precision=precision
+        )
+        least = min(a.peak.peak for a in floor.candidates) * 1.1
+        budget = int(least * rng.uniform(1.05, 1.8))
+        chosen = auto_configure(
+            cfg, world=2, memory_per_rank=budget, micro_batch=batch, precision=precision
+        )
+        if chosen.choice is not None:
+            c = chosen.choice
+            out.append((cfg, batch, c.config.mp, c.engine_config(), budget))
+    return out
+
+
+def run_triples(triples) -> list[dict]:
+    return [measure(cfg, batch, mp, engine) for cfg, batch, mp, engine, _ in triples]
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_chosen_configurations_stay_within_budget_when_run(seed):
+    triples = _triples(3, seed)
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # the oracle's allocator setting
+    try:
+        ranks = run_local(run_triples, 2, triples, timeout_s=300)
+    finally:
+        if old is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+    for i, (_, _, mp, engine, budget) in enumerate(triples):
+        for rank in ranks:
+            assert rank[i]["peak_bytes"] <= budget, (engine, mp, rank[i]["peak_bytes"], budget)

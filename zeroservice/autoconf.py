@@ -1,0 +1,220 @@
+"""Automatic configuration: the fastest configuration whose predicted peak fits.
+
+[Note: automatic configuration]
+For the reference GPT, a memory budget per rank and a world size, ``auto_configure``
+weighs every stage (0-3), every model-parallel degree N_m that divides the world, the
+heads and the vocabulary (N_d = world / N_m), activation checkpointing off and on (with
+P_a when N_m > 1), optimizer offload off and on, and two bucket sizes (the engine's
+default C_B and 2^20 elements, with the stage-3 prefetch budget alike). A configuration
+fits when its predicted peak (peak.py) times ``1 + margin`` is at most the budget: the
+oracle (benchmarks/planner_oracle.py) holds every prediction within 10% of the measured
+peak, so the default margin of 10% keeps a chosen configuration under the budget when
+measured. Among those that fit it takes the least predicted step time; ties go to the
+smaller peak. Nothing fits: ``fits`` is False, and the reason names the smallest
+requirement against the budget.
+
+The step time is a model, not a measurement: the training FLOPs of this rank's share of
+the micro-batch (``GPTConfig.flops_per_token``, / N_m; checkpointing adds one forward,
+a third of them) at ``flops_per_second``; the bytes each rank sends per step
+(``planner.communication_bytes``: data and model parallel) at ``link_bytes_per_second``
+plus ``collective_seconds`` per collective (one per unit and pass: 2 passes at stages
+0-2, 3 at stage 3, so small buckets cost latency); with offload, the gradient shard
+copied to the host and the parameters back, at ``host_bytes_per_second``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .memory import PARAM_BYTES
+from .peak import PeakConfig, PeakPrediction, _units, predict_peak
+
+if TYPE_CHECKING:
+    from .models.gpt import GPTConfig
+
+SMALL_BUCKET = 2**20
+"""The second bucket (and prefetch) size weighed besides the engine's default."""
+
+
+@dataclass(frozen=True)
+class AutoCandidate:
+    """One configuration weighed, with its predicted peak and step time."""
+
+    config: PeakConfig
+    peak: PeakPrediction
+    step_seconds: float
+
+    def engine_config(self) -> dict[str, Any]:
+        """The engine's configuration (``ZeroConfig`` fields) for this choice."""
+        c = self.config
+        out: dict[str, Any] = {"stage": c.stage, "precision": c.precision}
+        if c.bucket_elements is not None:
+            out["bucket_elements"] = c.bucket_elements
+        if c.prefetch_elements is not None and c.stage == 3:
+            out["stage3_prefetch_elements"] = c.prefetch_elements
+        if c.activation_checkpointing:
+            out["activation_checkpointing"] = True
+            out["partition_activations"] = c.partition_activations
+        if c.offload_optimizer:
+            out["offload_optimizer"] = True
+        return out
+
+    def describe(self) -> str:
+        c = self.config
+        ckpt = "on" if c.activation_checkpointing else "off"
+        bucket = "default" if c.bucket_elements is None else f"{c.bucket_elements:,}"
+        return (
+            f"ZeRO stage {c.stage}, N_d = {c.dp}, N_m = {c.mp}, activation checkpointing "
+            f"{ckpt}, optimizer offload {'on' if c.offload_optimizer else 'off'}, "
+            f"buckets {bucket}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine_config(),
+            "dp": self.config.dp,
+            "mp": self.config.mp,
+            "peak_bytes": self.peak.peak,
+            "peak_phase": self.peak.phase,
+            "step_seconds": self.step_seconds,
+            "description": self.describe(),
+        }
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The chosen configuration, or why none fits (``fits`` False, ``choice`` None)."""
+
+    fits: bool
+    choice: AutoCandidate | None
+    smallest: AutoCandidate
+    """The candidate with the least predicted peak, fitting or not."""
+    budget_bytes: int
+    margin: float
+    candidates: tuple[AutoCandidate, ...]
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "choice": self.choice.as_dict() if self.choice else None,
+            "smallest": self.smallest.as_dict(),
+            "budget_bytes": self.budget_bytes,
+            "margin": self.margin,
+            "considered": len(self.candidates),
+            "reason": self.reason,
+        }
+
+
+def auto_configure(
+    gpt: GPTConfig,
+    *,
+    world: int,
+    memory_per_rank: int,
+    precision: str = "fp32",
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    margin: float = 0.10,
+    flops_per_second: float = 5e10,
+    link_bytes_per_second: float = 1e9,
+    host_bytes_per_second: float = 5e9,
+    collective_seconds: float = 1e-4,
+) -> AutoChoice:
+    """The configuration with the least predicted step time whose predicted peak, with
+    ``margin``, fits ``memory_per_rank`` bytes. See [Note: automatic configuration]."""
+    if world < 1 or memory_per_rank < 1 or micro_batch < 1:
+        raise ValueError("world, memory_per_rank and micro_batch: must be >= 1")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin: must be in [0, 1), got {margin}")
+    if precision not in PARAM_BYTES:
+        raise ValueError(f"precision: {precision!r} is not one of {list(PARAM_BYTES)}")
+    rates = (flops_per_second, link_bytes_per_second, host_bytes_per_second, collective_seconds)
+    candidates = [
+        AutoCandidate(c, predict_peak(c), _step_seconds(c, *rates))
+        for c in _configurations(gpt, world, precision, micro_batch, seq_len)
+    ]
+    smallest = min(candidates, key=lambda a: (a.peak.peak, a.step_seconds))
+    fitting = [a for a in candidates if a.peak.peak * (1 + margin) <= memory_per_rank]
+    budget = _human(memory_per_rank)
+    if not fitting:
+        need = smallest.peak.peak * (1 + margin)
+        reason = (
+            f"nothing fits: the smallest predicted peak is {_human(smallest.peak.peak)} "
+            f"({smallest.describe()}), {_human(need)} with the {margin:.0%} margin, "
+            f"above the {budget} per rank"
+        )
+        return AutoChoice(False, None, smallest, memory_per_rank, margin, tuple(candidates), reason)
+    choice = min(fitting, key=lambda a: (a.step_seconds, a.peak.peak))
+    reason = (
+        f"{choice.describe()}: predicted peak {_human(choice.peak.peak)} "
+        f"({choice.peak.phase}) of {budget} per rank with a {margin:.0%} margin, "
+        f"predicted step {choice.step_seconds:.3g} s, the fastest of {len(fitting)} "
+        f"fitting configurations ({len(candidates)} weighed)"
+    )
+    return AutoChoice(True, choice, smallest, memory_per_rank, margin, tuple(candidates), reason)
+
+
+def _configurations(
+    gpt: GPTConfig, world: int, precision: str, micro_batch: int, seq_len: int | None
+) -> list[PeakConfig]:
+    out = []
+    for mp in range(1, world + 1):
+        if world % mp or gpt.n_head % mp or gpt.vocab_size % mp:
+            continue
+        for stage in (0, 1, 2, 3):
+            for ckpt in (False, True):
+                for offload in (False, True):
+                    for bucket in (None, SMALL_BUCKET):
+                        out.append(
+                            PeakConfig(
+                                gpt,
+                                stage=stage,
+                                dp=world // mp,
+                                mp=mp,
+                                precision=precision,
+                                micro_batch=micro_batch,
+                                seq_len=seq_len,
+                                activation_checkpointing=ckpt,
+                                partition_activations=ckpt and mp > 1,
+                                offload_optimizer=offload,
+                                bucket_elements=bucket,
+                                prefetch_elements=bucket,
+                            )
+                        )
+    return out
+
+
+def _step_seconds(
+    c: PeakConfig, flops: float, link: float, host: float, per_collective: float
+) -> float:
+    """The step-time model of [Note: automatic configuration]."""
+    from .planner import communication_bytes
+
+    tokens = c.micro_batch * (c.seq_len or c.gpt.seq_len)
+    work = c.gpt.flops_per_token() * tokens / c.mp
+    if c.activation_checkpointing:
+        work *= 4 / 3
+    dp_bytes, mp_bytes = communication_bytes(
+        c.gpt,
+        stage=c.stage,
+        dp=c.dp,
+        mp=c.mp,
+        precision=c.precision,
+        activation_checkpointing=c.activation_checkpointing,
+        seq_len=c.seq_len,
+        micro_batch=c.micro_batch,
+    )
+    units = _units(c).sizes
+    collectives = len(units) * (3 if c.stage == 3 else 2) if c.dp > 1 else 0
+    seconds = work / flops + (dp_bytes + mp_bytes) / link + collectives * per_collective
+    if c.offload_optimizer:
+        shard = sum(units) // (c.dp if c.stage > 0 else 1)
+        seconds += (4 + PARAM_BYTES[c.precision]) * shard / host
+    return seconds
+
+
+def _human(n: float) -> str:
+    from .planner import human_bytes
+
+    return human_bytes(n)

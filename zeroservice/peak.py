@@ -1,0 +1,396 @@
+"""The peak bytes of one rank while it trains the reference GPT, before anything runs.
+
+[Note: peak model]
+``memory.py`` and ``planner.plan`` count what stays (model states) and a formula for
+activations; the peak of a real step is more: what autograd saves in *our* GPT, the
+cross-entropy's fp32 tensors, the gradient of the logits, stage 3's gathered units, the
+staging buffers and the ring's scratch, the fp32 gradient copies of a mixed-precision
+step. ``predict_peak`` adds those up at the moments a step can peak and returns the
+largest:
+
+* ``forward``: inside the loss, every block's saved tensors (or, checkpointed, the
+  checkpoint arena) still held and the logits, their fp32 copy and the log-softmax (or
+  shifted logits and their exponentials with a vocabulary split over MP) alive at once;
+* ``backward``: at its first node, the log-softmax's backward holds its output, its
+  incoming gradient and the gradient it makes (3 fp32 logits) beside all saved
+  tensors; ``recompute`` (checkpointed): the last block's recomputation and the first
+  node of its backward beside the arena; ``blocks`` (stage 3 without checkpointing):
+  the saved tensors beside two unit-sized gradient staging buffers borrowed from the
+  gather cache;
+* ``step``: mixed precision casts every gradient shard to fp32 before the update.
+
+Every term is a count of tensors in the code (models/gpt.py, tensor_parallel.py,
+activations.py, reduce.py, gather.py, ring.py, optim.py), in elements of this rank:
+
+with b·s = B tokens, h = dim, f = 4h, t = N_m, a = heads, p the training dtype's bytes,
+per block and micro-batch autograd saves (see ``block_saved_elements``): the block's
+input x (saved by ln1), ln1's output (by qkv), qkv's output 3h/t (q, k and v are views
+of it, saved by attention), attention's output h/t (its (b, s, a, d) layout makes the
+transposed reshape a view, saved by proj), x + attn (by ln2), ln2's output (by fc),
+fc's output f/t (by gelu) and gelu's output f/t (by proj): 4h + (4h + 2f)/t elements of
+p bytes per token, plus the layer norms' mean and rstd (2 x 2 fp32 per token) and
+attention's log-sum-exp (a/t fp32 per token). Dropout is 0 in the reference model
+(p = 0 returns its input: no mask).
+
+The model states are ``memory.model_state_kinds`` with Ψ counted after each unit's
+padding (the ledger's figure to the byte); units come from the same packing the engine
+uses (``units.budgets``, reverse registration order at stages 0-2, module groups at
+stage 3), so the staging buffers (2 x min(largest unit, C_B) at stage 2, counted as far
+as the units staged in them write: a page is resident once written; pieces of an
+oversized unit at stage 3) and the ring's receive scratch (min(largest shard, C_B /
+N_d) elements) follow the engine's sizes.
+
+Nothing here is fitted to a measurement, and no allocator term is added: with
+``MALLOC_MMAP_THRESHOLD_=131072`` glibc maps every block above 128 KiB on its own and
+unmaps it when freed, so RSS follows the tensors. Measured against this prediction
+(benchmarks/planner_oracle.py, docs/planner.md) a resident excess the ledger does not
+see remains at stages 0-2 (0.5-1.3 MiB in bf16, 2-7 MiB in fp32 on ~6 M-parameter GPTs):
+its source is not identified, so it is left out rather than fitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from .memory import PARAM_BYTES, model_state_kinds
+
+if TYPE_CHECKING:
+    from .models.gpt import GPTConfig
+    from .units import Budgets
+
+
+@dataclass(frozen=True)
+class PeakConfig:
+    """One rank's training configuration: the reference GPT and the engine's options."""
+
+    gpt: GPTConfig
+    stage: int
+    dp: int
+    mp: int = 1
+    precision: str = "fp32"
+    micro_batch: int = 1
+    seq_len: int | None = None
+    """Tokens per sample (default: the model's seq_len)."""
+    activation_checkpointing: bool = False
+    partition_activations: bool = False
+    cpu_offload_activations: bool = False
+    offload_optimizer: bool = False
+    optimizer_bytes: int = 8
+    bucket_elements: int | None = None
+    prefetch_elements: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage: {self.stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+        if self.precision not in PARAM_BYTES:
+            raise ValueError(f"precision: {self.precision!r} is not one of {list(PARAM_BYTES)}")
+        for name in ("dp", "mp", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.gpt.n_head % self.mp or self.gpt.vocab_size % self.mp:
+            raise ValueError(f"mp: {self.mp} does not divide the model's heads and vocab")
+        for name in ("partition_activations", "cpu_offload_activations"):
+            if getattr(self, name) and not self.activation_checkpointing:
+                raise ValueError(f"{name}: applies to activation checkpoints; set them on")
+
+
+@dataclass(frozen=True)
+class PeakPrediction:
+    """Bytes one rank holds at its peak, by kind, and where the peak happens."""
+
+    phase: str
+    """"forward", "backward" (its first node), "recompute" (a checkpointed block's
+    recomputation, later in backward) or "step": the moment of the largest total."""
+    peak: int
+    """The largest of ``phases``: what VmHWM above start-up should read on CPU."""
+    model_states: int
+    """params + grads + master + optimizer states: the ledger's ``model_states``."""
+    host_grads: int
+    """ZeRO-Offload's fp32 gradient shard in host memory (the ledger's ``host_grads``)."""
+    staging: int
+    """Gradient staging buffers (reduce.py's pool) as allocated: the ledger counts them
+    in ``comm_buffers``. The totals count the pages the units staged in them write."""
+    ring: int
+    """The ring's receive scratch (ring.py): also in the ledger's ``comm_buffers``."""
+    gathered: int
+    """Stage 3: whole units gathered at once, at their most (the ledger's
+    ``gathered_peak``)."""
+    arena: int
+    """The checkpoint arena (the ledger's ``activation_arena``)."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Total bytes at each moment."""
+    breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per moment, bytes by kind."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- the reference GPT's parameters, as one MP rank holds them ---------------------------
+
+
+def gpt_parameters(cfg: GPTConfig, mp: int) -> list[tuple[str, int]]:
+    """(name, elements) of one tensor-parallel rank's parameters, in registration order
+    (a tied head is the embedding itself: listed once)."""
+    d, v, f, t = cfg.dim, cfg.vocab_size, cfg.dim * cfg.mlp_ratio, mp
+    out = [("wte.weight", v // t * d), ("wpe.weight", cfg.seq_len * d)]
+    for i in range(cfg.n_layer):
+        p = f"blocks.{i}."
+        block = [
+            ("ln1.weight", d),
+            ("ln1.bias", d),
+            ("attn.qkv.weight", 3 * d // t * d),
+            ("attn.qkv.bias", 3 * d // t),
+            ("attn.proj.weight", d * (d // t)),
+            ("attn.proj.bias", d),
+            ("ln2.weight", d),
+            ("ln2.bias", d),
+            ("mlp.fc.weight", f // t * d),
+            ("mlp.fc.bias", f // t),
+            ("mlp.proj.weight", d * (f // t)),
+            ("mlp.proj.bias", d),
+        ]
+        out += [(p + n, k) for n, k in block if cfg.bias or not n.endswith("bias")]
+    out += [("ln_f.weight", d), ("ln_f.bias", d)]
+    if not cfg.tie_weights:
+        out.append(("head.weight", v // t * d))
+    return out
+
+
+def _pack(sizes: list[int], cap: int) -> list[int]:
+    """flat.split_into_units on sizes: consecutive, a unit closes before passing ``cap``."""
+    units: list[int] = []
+    current = 0
+    for n in sizes:
+        if current and current + n > cap:
+            units.append(current)
+            current = 0
+        current += n
+    if current:
+        units.append(current)
+    return units
+
+
+@dataclass(frozen=True)
+class _Units:
+    sizes: list[int]
+    """Padded elements of each unit."""
+    groups: list[list[int]]
+    """Stage 3: per gathered group in forward order (the root, then wte, wpe, each block,
+    ln_f, head: partition.build_groups), its units' padded sizes."""
+    names: list[str]
+    """Stage 3: the groups' module names ("" the root)."""
+    budgets: Budgets
+    block: int
+    """C_B padded to a multiple of N_d: the staging size and N_d x the ring's chunk."""
+
+
+def _units(c: PeakConfig) -> _Units:
+    """The engine's units (units.plan_layout) for the reference GPT, by name and size."""
+    from .flat import padded_size
+    from .units import budgets
+
+    params = gpt_parameters(c.gpt, c.mp)
+    psi = sum(n for _, n in params)
+    b = budgets(psi, c.dp, c.bucket_elements, c.prefetch_elements)
+    cap = b.unit_elements
+    shard_world = c.dp if c.stage > 0 else 1
+    names = [""]
+    if c.stage < 3:
+        raw = [_pack([n for _, n in reversed(params)], cap)]
+    else:
+        # Stage 3 groups (partition._block_modules): each block, and each module beside
+        # the blocks unless it shares a parameter (a tied wte stays with the root).
+        def owner(name: str) -> str:
+            if name.startswith("blocks."):
+                return ".".join(name.split(".")[:2])
+            module = name.split(".")[0]
+            return "" if module == "wte" and c.gpt.tie_weights else module
+
+        names = ["", *[g for g in dict.fromkeys(owner(n) for n, _ in params) if g]]
+        raw = [_pack([k for n, k in params if owner(n) == g], cap) for g in names]
+    groups = [[padded_size(n, shard_world) for n in g] for g in raw]
+    sizes = [n for g in groups for n in g]
+    return _Units(sizes, groups, names, b, padded_size(cap, c.dp))
+
+
+# -- activations, counted from models/gpt.py ----------------------------------------------
+
+
+def block_saved_elements(h: int, f: int, t: int) -> int:
+    """Elements of the training dtype one block saves for backward, per token.
+    See [Note: peak model]."""
+    return 4 * h + (4 * h + 2 * f) // t
+
+
+def block_saved_fp32(heads: int, t: int) -> int:
+    """fp32 elements per token one block saves beside them: two layer norms' mean and
+    rstd, attention's log-sum-exp."""
+    return 4 + heads // t
+
+
+# -- the peak ------------------------------------------------------------------------------
+
+
+def predict_peak(c: PeakConfig) -> PeakPrediction:
+    """The peak bytes of one rank (the worst over ranks: they hold the same here).
+    See [Note: peak model]."""
+    cfg, t = c.gpt, c.mp
+    p = PARAM_BYTES[c.precision]
+    units = _units(c)
+    psi_padded = sum(units.sizes)
+    params, grads, master, opt = model_state_kinds(
+        c.stage, c.precision, psi_padded, c.dp, c.optimizer_bytes, c.offload_optimizer
+    )
+    shard = psi_padded // c.dp if c.stage > 0 else psi_padded
+    host_grads = 4 * shard if c.offload_optimizer else 0
+    states = params + grads + master + opt
+
+    # Resident buffers (reduce.py, ring.py, gather.py's cache at stage 3).
+    largest = max(units.sizes)
+    staging = written = 0
+    if c.stage == 2:
+        # Two buffers of min(largest unit, C_B). A page is resident once written: the
+        # units staged in them reach that far, and with one unit one buffer is written.
+        staging = 2 * min(largest, units.block) * p
+        written = sum(min(n, units.block) for n in sorted(units.sizes)[-2:]) * p
+    elif c.stage == 3 and largest > units.block:
+        staging = written = 2 * units.block * p
+    ring = 0
+    if c.dp > 1:
+        largest_shard = largest // (c.dp if c.stage > 0 else 1)
+        ring = min(largest_shard, units.block // c.dp) * p
+    gathered = _gathered_elements(units) * p if c.stage == 3 else 0
+
+    # Activations (models/gpt.py, activations.py), B tokens on this rank.
+    s = cfg.seq_len if c.seq_len is None else c.seq_len
+    tokens = c.micro_batch * s
+    h, f, v = cfg.dim, cfg.dim * cfg.mlp_ratio, cfg.vocab_size // t
+    block = tokens * (block_saved_elements(h, f, t) * p + block_saved_fp32(cfg.n_head, t) * 4)
+    tail = 2 * tokens * h * p + 2 * tokens * 4  # ln_f's input and output; its mean, rstd
+    checkpoint = -(-tokens * h // t) if c.partition_activations else tokens * h
+    arena = cfg.n_layer * checkpoint * p if c.activation_checkpointing else 0
+    # Checkpointed, the blocks' tensors are gone after each block; the arena holds inputs.
+    saved = 0 if c.activation_checkpointing else cfg.n_layer * block
+    resident = states + host_grads + written + ring + gathered
+    loss_fwd, loss_bwd = _loss_bytes(tokens * v, p, t)
+    forward = {
+        "resident": resident,
+        "activations": saved + tail,
+        "arena": arena,
+        "loss": loss_fwd,
+    }
+    backward_start = {
+        "resident": resident,
+        "activations": forward["activations"],
+        "arena": arena,
+        "loss": loss_bwd,
+    }
+    phases = {"forward": forward, "backward": backward_start}
+    # Stage 3 stages gradients in unit-sized buffers borrowed from the gather cache, at
+    # most two in flight (reduce.py): beside the blocks' backward, not at its first node.
+    borrowed = 0
+    if c.stage == 3:
+        others = sorted(n for g in units.groups[1:] for n in g if n <= units.block)
+        borrowed = sum(others[-2:]) * p
+    if c.activation_checkpointing:
+        phases["recompute"] = {
+            "resident": resident,
+            "arena": arena,
+            "activations": _recompute_bytes(c, block, tokens, p),
+            "gradient staging": borrowed,
+        }
+    elif borrowed:
+        phases["blocks"] = {
+            "resident": resident,
+            "activations": saved + tokens * h * p,
+            "gradient staging": borrowed,
+        }
+    phases["step"] = {"resident": resident + arena, "fp32 gradients": _step_casts(c, units)}
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    where = max(totals, key=lambda k: totals[k])
+    return PeakPrediction(
+        phase=where,
+        peak=totals[where],
+        model_states=states,
+        host_grads=host_grads,
+        staging=staging,
+        ring=ring,
+        gathered=gathered,
+        arena=arena,
+        phases=totals,
+        breakdown=phases,
+    )
+
+
+def _loss_bytes(logits: int, p: int, t: int) -> tuple[int, int]:
+    """Bytes the loss holds at the forward's peak and at the backward's first node, for
+    ``logits`` elements (this rank's B x V/t) in a dtype of ``p`` bytes."""
+    cast = 4 if p != 4 else 0  # .float() copies 16-bit logits; on fp32 it is a no-op
+    if t == 1:
+        # F.cross_entropy(logits.float()): logits, their fp32 copy, the log-softmax; its
+        # backward: the log-softmax, nll's gradient and its own gradient, all fp32.
+        return logits * (p + cast + 4), 3 * logits * 4
+    # tensor_parallel._VocabParallelCrossEntropy: logits, fp32 copy, shifted, exp; its
+    # backward turns exp into the gradient in place and casts it back (16-bit).
+    return logits * (p + cast + 4 + 4), logits * (4 + (p if p != 4 else 0))
+
+
+def _recompute_bytes(c: PeakConfig, block: int, tokens: int, p: int) -> int:
+    """The last block's recomputation and the first node of its backward (activations.py):
+    its input loaded whole (a clone of the arena slot, or gathered over MP with P_a), the
+    block's saved tensors again, the gradient arriving at its output, and mlp.proj's
+    backward making the gradient of its input (B x f/t) and of its weight (f/t x h).
+    A tied head's weight gradient waits in autograd's buffer for the embedding's
+    (V/t x h) all through the blocks' backward."""
+    h, f, t = c.gpt.dim, c.gpt.dim * c.gpt.mlp_ratio, c.mp
+    tied = c.gpt.vocab_size // t * h if c.gpt.tie_weights else 0
+    return block + (2 * tokens * h + tokens * f // t + f // t * h + tied) * p
+
+
+def _step_casts(c: PeakConfig, units: _Units) -> int:
+    """Bytes the optimizer step makes in fp32 from 16-bit gradients (optim.py): the norm
+    reads each unit's shard with ``vector_norm(dtype=float32)``, one fp32 copy at a time;
+    then, without offload, every shard's ``g.float()`` is alive together for the update
+    (with offload they are copied into the resident host buffer instead). fp32: none."""
+    if c.precision == "fp32":
+        return 0
+    shard_world = c.dp if c.stage > 0 else 1
+    shards = [n // shard_world for n in units.sizes]
+    return 4 * (max(shards) if c.offload_optimizer else sum(shards))
+
+
+def _gathered_elements(units: _Units) -> int:
+    """Stage 3: the most unit elements gathered at once (gather.py). Units of at most
+    ``persistence_elements`` stay gathered (smallest first, within ``persistent_total``);
+    the root's stay gathered through the forward; each group's are gathered when it
+    runs, and the next ones in pass order ahead of use while all live units fit the
+    prefetch budget. The forward and the backward (reverse order, without the
+    embeddings, whose backward reads no weight) are walked; the larger is kept."""
+    b = units.budgets
+    flat = [(g, n) for g, sizes in enumerate(units.groups) for n in sizes]
+    persistent: set[int] = set()
+    held = 0
+    for i in sorted(range(len(flat)), key=lambda i: flat[i][1]):
+        n = flat[i][1]
+        if n > b.persistence_elements:
+            continue
+        if b.persistent_total is not None and held + n > b.persistent_total:
+            break
+        persistent.add(i)
+        held += n
+    base = held + sum(n for i, (g, n) in enumerate(flat) if g == 0 and i not in persistent)
+    forward = list(range(1, len(units.groups)))
+    backward = [g for g in reversed(forward) if units.names[g] not in ("wte", "wpe")]
+    most = base
+    for order in (forward, backward):
+        for k, g in enumerate(order):
+            live = base + sum(n for i, (h, n) in enumerate(flat) if h == g and i not in persistent)
+            for nxt in order[k + 1 :]:
+                more = [n for i, (h, n) in enumerate(flat) if h == nxt and i not in persistent]
+                if live + sum(more) > b.prefetch_elements:
+                    break
+                live += sum(more)
+            most = max(most, live)
+    return most
