@@ -60,13 +60,19 @@ def plan_job(
     )
     limit = int(gib * GIB)
     per_rank = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else dict(p)
-    needed = int(per_rank["device_total"])
+    peak = _peak(spec) if gpt else None
+    needed = peak.peak if peak is not None else int(per_rank["device_total"])
     fits = needed <= limit
+    if peak is not None:
+        basis = f" (predicted peak, at the {peak.phase})"
+    elif gpt:
+        basis = " (model states, activations and buffers by formula)"
+    else:
+        basis = " (model states only: activations not estimated)"
     message = (
         f"needs {needed / GIB:.2f} GiB per rank at dp {res.lowest_dp} × mp {res.mp}, "
         f"stage {cfg.stage}, {cfg.precision}; {gib:g} GiB available per "
-        f"{'GPU' if res.gpus_per_rank else 'CPU'} rank"
-        + ("" if gpt else " (model states only: activations not estimated)")
+        f"{'GPU' if res.gpus_per_rank else 'CPU'} rank" + basis
     )
     result = {
         "fits": fits,
@@ -76,7 +82,56 @@ def plan_job(
         "dp": res.lowest_dp,
         "mp": res.mp,
         "per_rank": per_rank,
+        "peak": None
+        if peak is None
+        else {
+            "bytes": peak.peak,
+            "phase": peak.phase,
+            "by_kind": peak.breakdown[peak.phase],
+        },
     }
     if refuse and not fits:
         raise PlanRefused({**result, "message": f"memory plan does not fit: {message}"})
     return result
+
+
+def _peak(spec: JobSpec) -> Any:
+    """The reference GPT's predicted peak per rank (zeroservice/peak.py, held within
+    ±10% of measured peaks), where that model covers the job: Adam or AdamW, dropout 0,
+    one micro-batch per step, no fp16 loss scaling, no host copies and no ZeRO++
+    switches; None otherwise (the planner's formula is used)."""
+    from zeroservice.peak import PeakConfig, predict_peak
+
+    cfg, res = spec.zero_config(), spec.resources
+    gpt = spec.model.gpt_config()  # type: ignore[union-attr]
+    covered = (
+        spec.optimizer.type in ("adam", "adamw")
+        and gpt.dropout == 0
+        and cfg.gradient_accumulation_steps == 1
+        and cfg.precision != "fp16"
+        and cfg.redundancy == "none"
+        and not (cfg.quantized_weights or cfg.hierarchical_partition)
+        and cfg.quantized_gradients == "none"
+    )
+    if not covered:
+        return None
+    try:
+        return predict_peak(
+            PeakConfig(
+                gpt=gpt,
+                stage=cfg.stage,
+                dp=res.lowest_dp,
+                mp=res.mp,
+                precision=cfg.precision,
+                micro_batch=spec.micro_batch,
+                seq_len=spec.model.seq_len,
+                activation_checkpointing=cfg.activation_checkpointing,
+                partition_activations=cfg.partition_activations,
+                cpu_offload_activations=cfg.cpu_offload_activations,
+                offload_optimizer=cfg.offload_optimizer,
+                bucket_elements=cfg.bucket_elements,
+                prefetch_elements=cfg.stage3_prefetch_elements,
+            )
+        )
+    except ValueError:
+        return None

@@ -155,6 +155,34 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_numbers(harness):
     assert ok["fits"] is True
 
 
+def test_the_plan_of_a_reference_gpt_is_its_predicted_peak(harness):
+    """The reference GPT's need is the peak model's (zeroservice/peak.py), to the byte;
+    outside what that model covers (here: host copies) the planner's formula."""
+    from workers.spec import JobSpec
+    from zeroservice.peak import PeakConfig, predict_peak
+
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**TINY, "engine": {"stage": 3, "precision": "bf16"}}
+    got = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
+    job = JobSpec.model_validate(spec)
+    want = predict_peak(
+        PeakConfig(
+            gpt=job.model.gpt_config(),
+            stage=3,
+            dp=job.resources.lowest_dp,
+            precision="bf16",
+            micro_batch=job.micro_batch,
+        )
+    )
+    assert got["needed_bytes"] == want.peak == got["peak"]["bytes"]
+    assert got["peak"]["phase"] == want.phase and "predicted peak" in got["message"]
+    assert got["needed_bytes"] != got["per_rank"]["device_total"]
+    spec["engine"] = {"stage": 2, "redundancy": "host-copy"}
+    other = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
+    assert other["peak"] is None
+    assert other["needed_bytes"] == other["per_rank"]["device_total"]
+
+
 def test_submission_id_makes_submission_idempotent_under_a_burst(harness):
     h = harness.headers(harness.tenant_token("alice"))
     body = {"spec": TINY, "submission_id": "run-42"}
