@@ -54,6 +54,7 @@ def plan_job(
         seq_len=spec.model.seq_len,
         micro_batch=spec.micro_batch if gpt else None,
         bucket_elements=cfg.bucket_elements,
+        redundancy=cfg.redundancy,
     )
     gib = device_memory_gib or (
         settings.device_memory_gib if res.gpus_per_rank else settings.cpu_rank_memory_gib
@@ -61,12 +62,15 @@ def plan_job(
     limit = int(gib * GIB)
     per_rank = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else dict(p)
     peak = _peak(spec) if gpt else None
-    needed = peak.peak if peak is not None else int(per_rank["device_total"])
+    formula = int(per_rank["device_total"])
+    if not res.gpus_per_rank:  # a CPU rank's "device" and host are the same memory
+        formula += int(per_rank["host_total"])
+    needed = peak.peak if peak is not None else formula
     fits = needed <= limit
     if peak is not None:
         basis = f" (predicted peak, at the {peak.phase})"
     elif gpt:
-        basis = " (model states, activations and buffers by formula)"
+        basis = " (model states, activations and buffers by formula, host copies included)"
     else:
         basis = " (model states only: activations not estimated)"
     message = (

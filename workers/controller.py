@@ -454,11 +454,13 @@ class JobController:
                 if p is not None
             )
             group.shutdown(clean=False)
-            return Resizing(
-                reason=state.reason,
-                message=f"a surviving rank did not end its call in {SETTLE_S:g} s "
-                f"({where or 'no answer'}): restarting from the newest checkpoint",
+            message = (
+                f"a surviving rank did not end its call in {SETTLE_S:g} s "
+                f"({where or 'no answer'}): restarting from the newest checkpoint"
             )
+            # The status stays "resizing": without this event the message would be lost.
+            self.record.event("resize", "regroup_failed", message)
+            return Resizing(reason=state.reason, message=message)
         if state.lost and group.dp < spec.resources.lowest_dp:
             group.shutdown(clean=False)
             return Resizing(reason=state.reason, message="fewer replicas left than min_dp")

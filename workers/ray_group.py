@@ -357,7 +357,7 @@ class RayWorkerPool:
         complete = [g for g in complete if sorted(g) == list(range(len(g)))]
         if len(complete) != 1 or len(complete[0]) % self.spec.resources.mp:
             return None
-        ((members),) = complete
+        (members,) = complete
         world = len(members)
         chosen = [members[r][0] for r in range(world)]
         for name in set(actors) - set(chosen):

@@ -146,6 +146,11 @@ class MemoryPlan:
     """Stage 3: the running layer's gathered parameters and the next one's."""
     device_total: int
     host_total: int
+    redundancy_host: int = 0
+    """``redundancy="host-copy"``: host copies of the fp32 masters and optimizer states,
+    this rank's and its ring neighbour's (one whole copy at stage 0 or with N_d = 1):
+    the ledger's ``redundancy_host`` less the frozen shards, the buffers and 8-byte
+    alignment. Counted in ``host_total``."""
 
     def as_dict(self) -> dict[str, int | str]:
         return asdict(self)
@@ -166,9 +171,12 @@ def plan(
     seq_len: int | None = None,
     micro_batch: int | None = None,
     bucket_elements: int | None = None,
+    redundancy: str = "none",
 ) -> MemoryPlan:
     """Bytes per rank of a ZeRO configuration, by kind. See [Note: memory plan]."""
     spec = describe(model)
+    if redundancy not in ("none", "host-copy"):
+        raise PlanError(f"redundancy: {redundancy!r} is not 'none' or 'host-copy'")
     _check_int("dp", dp, 1)
     _check_int("mp", mp, 1)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
@@ -216,6 +224,8 @@ def plan(
     moved = master + opt if offload_optimizer else 0
     host_states = moved + 4 * shard if offload_optimizer else 0
     model_states = params + grads + master + opt
+    copies = 1 if stage == 0 or dp == 1 else 2
+    held = copies * (4 + optimizer_bytes) * shard if redundancy == "host-copy" else 0
     return MemoryPlan(
         stage=stage,
         precision=precision,
@@ -233,7 +243,8 @@ def plan(
         comm_buffers=comm,
         gathered_params=gathered,
         device_total=model_states - moved + acts + comm + gathered,
-        host_total=host_states + acts_host,
+        host_total=host_states + acts_host + held,
+        redundancy_host=held,
     )
 
 

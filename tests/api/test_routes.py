@@ -179,8 +179,9 @@ def test_the_plan_of_a_reference_gpt_is_its_predicted_peak(harness):
     assert got["needed_bytes"] != got["per_rank"]["device_total"]
     spec["engine"] = {"stage": 2, "redundancy": "host-copy"}
     other = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
-    assert other["peak"] is None
-    assert other["needed_bytes"] == other["per_rank"]["device_total"]
+    assert other["peak"] is None and other["per_rank"]["redundancy_host"] > 0
+    per_rank = other["per_rank"]  # a CPU rank: its host memory is the same memory
+    assert other["needed_bytes"] == per_rank["device_total"] + per_rank["host_total"]
 
 
 def test_submission_id_makes_submission_idempotent_under_a_burst(harness):

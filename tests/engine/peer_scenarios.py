@@ -172,6 +172,8 @@ def shrink(
             {
                 "step": step + 1,
                 "held": engine.memory_ledger().redundancy_host,
+                "psi_padded": engine.memory_ledger().psi_padded,
+                "world": engine.dp_world,
                 "held_copies": snap.nbytes if snap else 0,
                 "snap_step": snap.step if snap else None,
                 "copies": sorted(snap.copies) if snap else [],

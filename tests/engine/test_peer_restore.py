@@ -10,6 +10,7 @@ from tests.engine import peer_scenarios as ps
 from tests.engine.scenarios import Spec
 from zeroservice.config import ConfigError, ZeroConfig
 from zeroservice.launch import run_local
+from zeroservice.planner import plan
 
 METADATA_BYTES = 64 * 1024
 """Bound on a copy's metadata message (segments and RNG as JSON) for the tiny GPT."""
@@ -45,6 +46,22 @@ def _assert_ledger(results: list[dict], stage: int, k: int) -> None:
             assert row["received"] - 16 - row["neighbour"] in range(1, METADATA_BYTES)
 
 
+def _assert_planned(results: list[dict], stage: int) -> None:
+    """The planner's ``redundancy_host`` is the ledger's less each item's 8-byte
+    alignment (the model here has neither frozen weights nor buffers)."""
+    for r in results:
+        for row in r["ledger"]:
+            if row["held"]:
+                planned = plan(
+                    row["psi_padded"],
+                    dp=row["world"],
+                    stage=stage,
+                    precision="fp32",
+                    redundancy="host-copy",
+                ).redundancy_host
+                assert planned <= row["held"] <= planned * 1.01, (planned, row["held"])
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_shrink_restores_exactly_from_peers(tmp_path, stage):
     store = str(tmp_path / "store")
@@ -55,6 +72,7 @@ def test_shrink_restores_exactly_from_peers(tmp_path, stage):
     for r in (results[0], results[2]):
         _assert_restored(r, 3)
     _assert_ledger(results, stage, 1)
+    _assert_planned(results, stage)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
