@@ -149,8 +149,8 @@ class MemoryPlan:
     redundancy_host: int = 0
     """``redundancy="host-copy"``: host copies of the fp32 masters and optimizer states,
     this rank's and its ring neighbour's (one whole copy at stage 0 or with N_d = 1):
-    the ledger's ``redundancy_host`` less the frozen shards, the buffers and 8-byte
-    alignment. Counted in ``host_total``."""
+    within 1% of the ledger's ``redundancy_host``, which adds the frozen shards, the
+    buffers and each item's 8-byte alignment. Counted in ``host_total``."""
 
     def as_dict(self) -> dict[str, int | str]:
         return asdict(self)

@@ -172,6 +172,7 @@ def shrink(
             {
                 "step": step + 1,
                 "held": engine.memory_ledger().redundancy_host,
+                "psi": engine.memory_ledger().psi,
                 "psi_padded": engine.memory_ledger().psi_padded,
                 "world": engine.dp_world,
                 "held_copies": snap.nbytes if snap else 0,

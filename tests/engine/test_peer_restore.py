@@ -47,19 +47,20 @@ def _assert_ledger(results: list[dict], stage: int, k: int) -> None:
 
 
 def _assert_planned(results: list[dict], stage: int) -> None:
-    """The planner's ``redundancy_host`` is the ledger's less each item's 8-byte
-    alignment (the model here has neither frozen weights nor buffers)."""
+    """The planner's ``redundancy_host`` is within 1% of the ledger's (the model here
+    has neither frozen weights nor buffers; the ledger adds each item's 8-byte
+    alignment). Shards are of padded units; stage 0 copies whole parameters."""
     for r in results:
         for row in r["ledger"]:
             if row["held"]:
                 planned = plan(
-                    row["psi_padded"],
+                    row["psi"] if stage == 0 else row["psi_padded"],
                     dp=row["world"],
                     stage=stage,
                     precision="fp32",
                     redundancy="host-copy",
                 ).redundancy_host
-                assert planned <= row["held"] <= planned * 1.01, (planned, row["held"])
+                assert abs(row["held"] - planned) <= planned // 100, (planned, row["held"])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
