@@ -511,6 +511,16 @@ class RankWorker:
             self.saved_step = self.step
             return RankSaved(str(path))
 
+    def interrupt(self, lost: list[int]) -> None:
+        """Give up the group's collectives: the supervisor has killed the ``lost`` ranks
+        and the group will re-form without them. Answered while ``train`` runs (threaded
+        actor); that call then raises at its next or current wait instead of waiting for
+        the group's timeout. See [Note: interrupting a collective] in
+        zeroservice/interrupt.py. Its engine is only closed afterwards (``regroup``)."""
+        engine = self.engine
+        if engine is not None:
+            engine.interrupt(f"rank(s) {lost} lost")
+
     def settle(self) -> RankIdle:
         """Wait until the call in flight (a train or save a lost supervisor asked for)
         is over; what a new supervisor needs to adopt this rank."""

@@ -200,13 +200,17 @@ class RayWorkerGroup:
                     os.kill(address["pid"], signal.SIGKILL)
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[r], no_restart=True)
+        # Answered beside a running train: it ends that call's collectives at once.
+        keep = [r for r in range(self.world) if r not in lost]
+        asks = [self.actors[r].interrupt.remote(sorted(lost)) for r in keep]
         running = [ref for ref, r in self._pending.items() if r not in lost]
-        if running:
-            _, late = ray.wait(running, num_returns=len(running), timeout=settle_s)
+        if running or asks:
+            # Waiting for the interrupts too: none may reach the engine a regroup builds.
+            ends = running + asks
+            _, late = ray.wait(ends, num_returns=len(ends), timeout=settle_s)
             if late:
                 return False
         self._pending.clear()
-        keep = [r for r in range(self.world) if r not in lost]
         self.vacant += [self.seats[r] for r in sorted(lost)]
         self.actors = [self.actors[r] for r in keep]
         self.seats = [self.seats[r] for r in keep]

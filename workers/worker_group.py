@@ -77,8 +77,10 @@ class WorkerGroup(Protocol):
         """Stop every rank (``clean``: let them close first) and free the placement."""
 
     def drop(self, ranks: list[int], settle_s: float) -> bool:
-        """Remove lost ranks (their processes killed) and wait up to ``settle_s`` for the
-        others' calls to end; False when one does not. The others are renumbered in
+        """Remove lost ranks (their processes killed), interrupt the others' collectives
+        (``RankWorker.interrupt``: a transfer from a peer killed mid-message would wait
+        for the group's timeout) and wait up to ``settle_s`` for their calls to end;
+        False when one does not. The others are renumbered in
         order; each lost rank's seat becomes a vacancy."""
 
     def vacancies(self) -> int:
@@ -131,8 +133,8 @@ class LocalPlacement:
 
 
 class InProcessGroup:
-    """Rank objects (RankWorker's methods: setup, train, save, progress, stats, close;
-    ``regroup(world, rank, restarts, grow)``) called on threads. A rank signals its own
+    """Rank objects (RankWorker's methods: setup, train, save, progress, stats, close,
+    interrupt; ``regroup(world, rank, restarts, grow)``) called on threads. A rank signals its own
     death by raising ``RankDied``; from then on every call to it raises the same."""
 
     def __init__(self, ranks: list[Any], placement: LocalPlacement, mp: int):
@@ -204,6 +206,9 @@ class InProcessGroup:
 
     def drop(self, ranks: list[int], settle_s: float) -> bool:
         lost = set(ranks)
+        for r in range(self.world):
+            if r not in lost:
+                self.ranks[r].interrupt(sorted(lost))
         running = [f for f, r in self._pending.items() if r not in lost]
         _, late = wait_futures(running, timeout=settle_s)
         if late:

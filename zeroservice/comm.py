@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .config import check_collectives
+from .interrupt import Interrupt
 from .ring import RingComm
 
 _VOLUME_FACTOR = {
@@ -227,7 +230,8 @@ class Communicator:
     [Note: rings on gloo] in ring.py): natively where the backend is fast (NCCL),
     as point-to-point rings on gloo, whose own versions are 2-4x slower. The ledger
     names the implementation of each entry. ``ring_chunk`` caps the ring's receive
-    scratch (see RingComm).
+    scratch (see RingComm). Every wait on gloo goes through ``interrupt`` (see
+    [Note: interrupting a collective] in interrupt.py); engines pass theirs.
     """
 
     def __init__(
@@ -237,8 +241,10 @@ class Communicator:
         impl: str = "auto",
         ring_chunk: int | None = None,
         nodes: Sequence[int] | None = None,
+        interrupt: Interrupt | None = None,
     ):
         self.group, self.ledger = group, ledger
+        self.interrupt = interrupt if interrupt is not None else Interrupt()
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
@@ -264,6 +270,15 @@ class Communicator:
         same = sum(1 for n in others if n == here)
         return share * same, share * (len(others) - same)
 
+    def _native(self, work) -> Callable[[], Any]:
+        """How to wait for a native op: on gloo, where another thread can give it up."""
+        if self.backend != "gloo":
+            return work.wait
+        return lambda: self.interrupt.run(work.wait)
+
+    def _ring(self, future: Future[float]) -> Callable[[], float]:
+        return lambda: self.interrupt.result(future)
+
     def _pending(self, wait, op, tag, payload, impl="native", peer=None) -> Pending:
         self.ledger.launched += 1
         self.ledger.last_launched = f"{op}/{tag}"
@@ -273,14 +288,14 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> Pending:
         """Sum (or ``op``) ``tensor`` in place across the group."""
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        return self._pending(work.wait, "all_reduce", tag, tensor)
+        return self._pending(self._native(work), "all_reduce", tag, tensor)
 
     def broadcast(self, tensor: torch.Tensor, tag: str, src_group_rank: int = 0) -> Pending:
         """Copy ``tensor`` from the group's rank ``src_group_rank`` to every rank."""
         g = self.group
         src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
         work = dist.broadcast(tensor, src=src, group=g, async_op=True)
-        return self._pending(work.wait, "broadcast", tag, tensor, peer=src_group_rank)
+        return self._pending(self._native(work), "broadcast", tag, tensor, peer=src_group_rank)
 
     def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: str) -> Pending:
         """Point-to-point: ``tensor`` to the group's rank ``dst_group_rank``."""
@@ -288,7 +303,7 @@ class Communicator:
         dst = dst_group_rank if g is None else dist.get_global_rank(g, dst_group_rank)
         work = dist.isend(tensor, dst, group=g)
         assert work is not None  # None only for ranks outside the group
-        return self._pending(work.wait, "send", tag, tensor)
+        return self._pending(self._native(work), "send", tag, tensor)
 
     def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: str) -> Pending:
         """Point-to-point: fill ``tensor`` from the group's rank ``src_group_rank``."""
@@ -296,7 +311,7 @@ class Communicator:
         src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
         work = dist.irecv(tensor, src, group=g)
         assert work is not None  # None only for ranks outside the group
-        return self._pending(work.wait, "recv", tag, tensor, peer=src_group_rank)
+        return self._pending(self._native(work), "recv", tag, tensor, peer=src_group_rank)
 
     def chunk(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a buffer of N equal chunks."""
@@ -306,16 +321,18 @@ class Communicator:
         """Sum ``buffer`` across ranks into this rank's chunk (other chunks: scratch)."""
         if self.ring is not None:
             future = self.ring.reduce_scatter(buffer)
-            return self._pending(future.result, "reduce_scatter", tag, buffer, "ring")
+            return self._pending(self._ring(future), "reduce_scatter", tag, buffer, "ring")
         out = self.chunk(buffer)
         if self.backend == "nccl":  # NCCL reduces in place when out is chunk `rank`.
             work = dist.reduce_scatter_single(out, buffer, group=self.group, async_op=True)
-            return self._pending(work.wait, "reduce_scatter", tag, buffer)
+            return self._pending(self._native(work), "reduce_scatter", tag, buffer)
         tmp = torch.empty_like(out)
         work = dist.reduce_scatter_single(tmp, buffer, group=self.group, async_op=True)
 
+        done = self._native(work)
+
         def wait() -> None:
-            work.wait()
+            done()
             out.copy_(tmp)
 
         return self._pending(wait, "reduce_scatter", tag, buffer)
@@ -324,19 +341,22 @@ class Communicator:
         """Fill every chunk of ``buffer`` from its owner; this rank's chunk is the input."""
         if self.ring is not None:
             future = self.ring.all_gather(buffer)
-            return self._pending(future.result, "all_gather", tag, buffer, "ring")
+            return self._pending(self._ring(future), "all_gather", tag, buffer, "ring")
         work = dist.all_gather_single(buffer, self.chunk(buffer), group=self.group, async_op=True)
-        return self._pending(work.wait, "all_gather", tag, buffer)
+        return self._pending(self._native(work), "all_gather", tag, buffer)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, tag: str) -> Pending:
         """Row j of ``send`` (N equal rows) goes to group rank j; row i of ``recv`` comes
         from group rank i. The ledger counts ``send``'s bytes as the payload."""
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        return self._pending(work.wait, "all_to_all", tag, send)
+        return self._pending(self._native(work), "all_to_all", tag, send)
 
     def buffer_bytes(self) -> int:
         return self.ring.scratch_bytes if self.ring is not None else 0
 
     def close(self) -> None:
+        """Stop the ring's and the waiter's threads; after an interrupt, without
+        waiting for a transfer that may never end."""
         if self.ring is not None:
-            self.ring.shutdown()
+            self.ring.shutdown(wait=not self.interrupt.fired)
+        self.interrupt.close()

@@ -27,6 +27,7 @@ from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .gather import ParamGatherer
 from .gather_check import GatherCheck
+from .interrupt import Interrupt
 from .memory import (
     MemoryLedger,
     allocator_stats,
@@ -116,12 +117,15 @@ class Engine:
             raise ConfigError(
                 f"ranks_per_node: {rpn} does not divide the data-parallel world {self.dp_world}"
             )
+        self._interrupt = Interrupt()
+        """Ends every collective wait of this engine (see ``interrupt``)."""
         self.comm = comm.Communicator(
             group,
             self.ledger,
             config.collectives,
             ring_chunk=block // self.dp_world,
             nodes=[node_of(r, rpn) for r in range(self.dp_world)],
+            interrupt=self._interrupt,
         )
         self.mp_group = mp_group
         self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
@@ -301,7 +305,9 @@ class Engine:
                 "ranks_per_node: hierarchical ZeRO++ groups are not supported with model "
                 f"parallelism (mp = {self.mp_size})"
             )
-        return build_node_groups(self.group, cfg.ranks_per_node, self.ledger, cfg.collectives)
+        return build_node_groups(
+            self.group, cfg.ranks_per_node, self.ledger, cfg.collectives, self._interrupt
+        )
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers to every rank before a forward (DDP's broadcast_buffers)."""
@@ -643,12 +649,24 @@ class Engine:
                     state[name] = view.clone()
         return state
 
+    def interrupt(self, reason: str) -> None:
+        """Give up this engine's collectives: every wait on one, in progress or to
+        come, raises CommInterrupted(reason) at once. Called from another thread once a
+        peer is known lost (its process killed): on gloo a transfer from a peer that
+        died mid-message would otherwise wait for the group's timeout. See
+        [Note: interrupting a collective] in interrupt.py. Afterwards the engine can
+        only be closed; its state is what the host copies held."""
+        self._interrupt.fire(reason)
+
     def close(self) -> None:
         """Remove the hooks and stop the ring thread.
 
         At stages 0-2 the module stays usable with the trained weights; at stage 3 its
-        parameters are empty placeholders (take ``state_dict()`` first)."""
-        self.wait_for_save()
+        parameters are empty placeholders (take ``state_dict()`` first). After an
+        interrupt a background save is not waited for: it is a collective of the group
+        given up, and without its manifest it never counts as a checkpoint."""
+        if not self._interrupt.fired:
+            self.wait_for_save()
         self.reducer.remove_hooks()
         if self._checkpointer is not None:
             self._checkpointer.remove()

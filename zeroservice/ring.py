@@ -76,8 +76,14 @@ class RingComm:
         """Fill every chunk of ``buffer`` from the rank that owns it; returns seconds."""
         return self._pool.submit(self._all_gather, buffer)
 
-    def shutdown(self) -> None:
-        self._stop()
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the thread; ``wait=False`` drops the queued jobs and leaves a transfer
+        in progress to its group's timeout (after an interrupt: see interrupt.py)."""
+        if wait:
+            self._stop()
+        else:
+            self._stop.detach()
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         reqs = [

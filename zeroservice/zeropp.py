@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .interrupt import Interrupt
 from .quantize import dequantize, packed_bytes, quantize_into
 
 
@@ -153,7 +154,13 @@ def node_of(dp_rank: int, ranks_per_node: int | None) -> int:
     return 0 if ranks_per_node is None else dp_rank // ranks_per_node
 
 
-def build_node_groups(group, ranks_per_node: int, ledger: comm.CommLedger, impl: str) -> NodeGroups:
+def build_node_groups(
+    group,
+    ranks_per_node: int,
+    ledger: comm.CommLedger,
+    impl: str,
+    interrupt: Interrupt | None = None,
+) -> NodeGroups:
     """Every rank of the default group must call this (``dist.new_group`` is collective)."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -173,8 +180,12 @@ def build_node_groups(group, ranks_per_node: int, ledger: comm.CommLedger, impl:
         g = dist.new_group(members)
         if i == me % ranks_per_node:
             cross_group = g
-    local = comm.Communicator(local_group, ledger, impl, nodes=[0] * ranks_per_node)
-    cross = comm.Communicator(cross_group, ledger, impl, nodes=list(range(nodes)))
+    local = comm.Communicator(
+        local_group, ledger, impl, nodes=[0] * ranks_per_node, interrupt=interrupt
+    )
+    cross = comm.Communicator(
+        cross_group, ledger, impl, nodes=list(range(nodes)), interrupt=interrupt
+    )
     return NodeGroups(local, cross)
 
 

@@ -5,6 +5,8 @@ a new one on a fresh FileStore, as a caller would after a failure."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from zeroservice.checkpoint import PeersIncomplete
 from zeroservice.checkpoint.manifest import step_dir_name
 from zeroservice.checkpoint.peers import ALIGN
 from zeroservice.checkpoint.save import per_element_kinds, snapshot_items
+from zeroservice.interrupt import CommInterrupted
 
 
 def host(k: int) -> dict:
@@ -199,6 +202,42 @@ def shrink(
         return out | _compare(spec, k, held, root, expect, 2, variant)
     except PeersIncomplete as exc:
         return out | {"incomplete": str(exc)}
+
+
+def interrupted(spec: Spec, root: str, store: str, flag: str, steps: int) -> dict:
+    """Rank 2 stops taking part after ``steps`` steps but stays alive (its process
+    would be killed; on gloo a transfer it left half sent never fails): the others are
+    blocked in the next step's collectives until another thread calls
+    ``Engine.interrupt``. They must raise CommInterrupted, close the engine with its
+    transfers still in flight, form a new group and restore from the host copies.
+    Rank 2 waits for ``flag`` (bounded) so that its exit cannot end their wait."""
+    old_rank = dist.get_rank()
+    engine = _engine(spec, "plain", **host(1))
+    _train(engine, spec, range(steps))
+    engine.save_checkpoint(root, keep=10)
+    if old_rank == 2:
+        deadline = time.monotonic() + 120
+        while not Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"left": True}
+    timer = threading.Timer(0.5, engine.interrupt, args=("rank 2 lost",))
+    timer.start()
+    try:
+        _train(engine, spec, range(steps, steps + 1))
+        raised = None
+    except CommInterrupted as exc:
+        raised = f"CommInterrupted: {exc}"
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    timer.join()
+    held = engine.peer_snapshot()
+    engine.close()  # its ring or waiter thread is still inside a transfer
+    _rejoin([0, 1], old_rank, store)
+    Path(flag).with_suffix(f".{old_rank}").touch()
+    if all(Path(flag).with_suffix(f".{r}").exists() for r in (0, 1)):
+        Path(flag).touch()
+    assert held is not None
+    return {"left": False, "raised": raised} | _compare(spec, 1, held, root, steps, 2)
 
 
 def lost_neighbours(spec: Spec, leave: list[int], store: str, steps: int) -> dict:

@@ -96,6 +96,20 @@ def test_interval_two_loses_at_most_k_steps(tmp_path):
     _assert_ledger(results, 2, 2)
 
 
+@pytest.mark.parametrize("collectives", ["auto", "native"])
+def test_an_interrupt_frees_ranks_blocked_on_a_silent_peer(tmp_path, collectives):
+    """A peer that neither sends nor fails (on gloo: one killed mid-message) blocks
+    the others' collectives until the group's timeout (120 s here); Engine.interrupt
+    ends the wait at once, and the survivors restore exactly from the host copies."""
+    spec = Spec(stage=2, collectives=collectives)
+    root, store, flag = (str(tmp_path / n) for n in ("ckpt", "store", "flag"))
+    results = run_local(ps.interrupted, 3, spec, root, store, flag, 2, timeout_s=120)
+    assert results[2]["left"]
+    for r in results[:2]:
+        assert r["raised"] == "CommInterrupted: collective abandoned: rank 2 lost", r["raised"]
+        _assert_restored(r, 2)
+
+
 def test_grow_hands_newcomers_their_state(tmp_path):
     results = run_local(ps.grow, 3, Spec(stage=2), str(tmp_path / "ckpt"), 3)
     for r in results:

@@ -22,6 +22,9 @@ class Script:
     kill: set[tuple[int, int, int]] = field(default_factory=set)
     freeze: set[tuple[int, int, int]] = field(default_factory=set)
     error: set[tuple[int, int, int]] = field(default_factory=set)
+    stuck: set[tuple[int, int, int]] = field(default_factory=set)
+    """Where a rank waits on a collective until it is interrupted (a transfer from a peer
+    killed mid-message: see zeroservice/interrupt.py), then raises."""
     full_disk: set[int] = field(default_factory=set)
     """Steps whose save fails (ENOSPC) on every rank."""
     fail_setup: set[int] = field(default_factory=set)
@@ -54,6 +57,7 @@ class ScriptedRank:
         self.last_chunk: RankChunk | None = None
         self.copied = 0
         """The step of this rank's last host copy."""
+        self.interrupted = threading.Event()
         script.living[id(self)] = self
 
     def setup(self, *args: Any) -> RankSetup:
@@ -125,6 +129,13 @@ class ScriptedRank:
                 raise RankDied(self.rank, "the actor died unexpectedly")
             if where in self.script.error:
                 raise ValueError(f"loss is nan at step {self.step + 1}")
+            if where in self.script.stuck:
+                self.script.stuck.discard(where)  # once: after the regroup it trains on
+                self.phase = "training, micro-batch 0"
+                while not self.interrupted.wait(0.02):
+                    if self.script.release.is_set():  # the group was shut down
+                        return RankChunk(self.rank, self.step, losses)
+                raise RuntimeError("collective abandoned: " + self.reason)
             if where in self.script.freeze:
                 self.frozen = True
                 self.script.release.wait()
@@ -159,6 +170,10 @@ class ScriptedRank:
 
     def stats(self) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step}
+
+    def interrupt(self, lost: list[int]) -> None:
+        self.reason = f"rank(s) {lost} lost"
+        self.interrupted.set()
 
     def close(self) -> None:
         self.script.living.pop(id(self), None)

@@ -351,6 +351,22 @@ def test_a_killed_rank_shrinks_the_group_in_place_from_host_memory():
     assert pool.used == 0
 
 
+def test_a_survivor_blocked_on_the_lost_rank_is_interrupted_not_waited_for():
+    """On gloo a survivor receiving from a rank killed mid-message waits for the group's
+    timeout: dropping the lost rank must interrupt it, or the regroup fails (after
+    SETTLE_S) and the job restarts from the checkpoint."""
+    script = Script(kill={(1, 1, 6)}, stuck={(1, 0, 6)}, redundancy=1)
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)
+    ctl = _controller(_live_job(), pool)
+    assert _steps(ctl, 5)[3:] == [(Running, Regrouping), (Regrouping, Running)]
+    assert ctl.group.dp == 1 and ctl.state.step == 5 and pool.attempts == 1
+    assert not [e for e in _events(ctl, "resize") if e["reason"] == "regroup_failed"]
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 1
+    assert sorted(ctl.record.losses) == list(range(1, 13))
+
+
 def test_a_lost_rank_is_replaced_at_the_next_step_boundary():
     script = Script(kill={(1, 1, 6)}, redundancy=2)
     pool = scripted_pool(script, capacity=2)  # the lost rank's seat stays usable

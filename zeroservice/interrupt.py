@@ -1,0 +1,114 @@
+"""Waits on collectives that another thread can end.
+
+[Note: interrupting a collective]
+On gloo a receive whose sender dies in the middle of the message never completes: the
+broken connection fails the receives posted after it, but the one in progress waits for
+the process group's timeout (the job's step timeout, minutes). Measured with two
+processes on this machine: a peer killed 1-6 ms into sending 64 MiB, as one message or
+as 1 MiB or 256 KiB messages, left the receiver waiting for the full timeout in 7 of 8
+runs; killed before it sent anything or after its last message, the receiver failed at
+once. ProcessGroupGloo's ``abort()`` does not end the wait either. So a rank that
+survives a lost peer could stay inside a collective long after the supervisor knew the
+peer was gone, and the group could not re-form without it.
+
+Every wait on an engine's gloo collectives therefore runs where another thread can
+abandon it: a ring's transfers run on the ring's thread already (ring.py), and a native
+op's ``work.wait()`` runs on a waiter thread. The training thread blocks on whichever
+comes first, the collective's completion or the engine's :class:`Interrupt`.
+``Engine.interrupt(reason)`` (the supervisor calls it on every surviving rank once the
+lost ones are killed) makes each wait in progress, and every one after, raise
+:class:`CommInterrupted` at once. The abandoned thread stays blocked until the group's
+timeout and then ends with an error nobody reads; destroying the process group meanwhile
+does not wait for it, and a new group forms beside it. An interrupted engine is only
+closed. On NCCL ``work.wait()`` does not block the host, and nothing is moved off it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class CommInterrupted(RuntimeError):
+    """A collective was abandoned: its group is being given up (a peer was lost)."""
+
+
+class Interrupt:
+    """One engine's switch that ends its collective waits (see the note above)."""
+
+    def __init__(self) -> None:
+        self._fired: Future[str] = Future()
+        self._waiter: _Waiter | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def fired(self) -> bool:
+        return self._fired.done()
+
+    def fire(self, reason: str) -> None:
+        """End every wait in progress and to come with CommInterrupted(reason)."""
+        with contextlib.suppress(futures.InvalidStateError):  # the first reason stays
+            self._fired.set_result(reason)
+
+    def result(self, future: Future[T]) -> T:
+        """``future``'s result, or CommInterrupted as soon as this fires."""
+        if not future.done():
+            either: list[Future[Any]] = [future, self._fired]
+            futures.wait(either, return_when=futures.FIRST_COMPLETED)
+            if not future.done():
+                raise CommInterrupted(f"collective abandoned: {self._fired.result()}")
+        return future.result()
+
+    def run(self, blocking: Callable[[], T]) -> T:
+        """``blocking()`` run on the waiter thread (jobs in submission order), and its
+        result waited for through :meth:`result`."""
+        if self.fired:
+            raise CommInterrupted(f"collective abandoned: {self._fired.result()}")
+        with self._lock:
+            if self._waiter is None:
+                self._waiter = _Waiter()
+            waiter = self._waiter
+        return self.result(waiter.submit(blocking))
+
+    def close(self) -> None:
+        """Let the waiter thread end once its job is done (never joined: after an
+        interrupt it may be blocked until the group's timeout)."""
+        with self._lock:
+            if self._waiter is not None:
+                self._waiter.stop()
+                self._waiter = None
+
+
+class _Waiter:
+    """One daemon thread running blocking calls in order. A daemon, and never joined, so
+    that a call left blocked by an interrupt delays neither close() nor the process's
+    exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._serve, name="zeroservice-wait", daemon=True).start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the waiting thread
+                future.set_exception(exc)
