@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.spec import GPTModelSpec, JobSpec
+from zeroservice.config import ZeroConfig
 
 GIB = 2**30
 
@@ -56,10 +57,7 @@ def plan_job(
         bucket_elements=cfg.bucket_elements,
         redundancy=cfg.redundancy,
     )
-    gib = device_memory_gib or (
-        settings.device_memory_gib if res.gpus_per_rank else settings.cpu_rank_memory_gib
-    )
-    limit = int(gib * GIB)
+    gib, limit = memory_limit(spec, settings, device_memory_gib)
     per_rank = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else dict(p)
     peak = _peak(spec) if gpt else None
     formula = int(per_rank["device_total"])
@@ -99,6 +97,34 @@ def plan_job(
     return result
 
 
+def uncovered(spec: JobSpec, cfg: ZeroConfig) -> str | None:
+    """What of a reference-GPT job the peak model (zeroservice/peak.py) does not cover,
+    as the field to change; None when it covers the job."""
+    gpt = spec.model.gpt_config()  # type: ignore[union-attr]
+    if spec.optimizer.type not in ("adam", "adamw"):
+        return f"optimizer.type: {spec.optimizer.type} (Adam or AdamW are modelled)"
+    if gpt.dropout != 0:
+        return "model.dropout: not 0"
+    if cfg.gradient_accumulation_steps != 1:
+        return "engine.gradient_accumulation_steps: not 1"
+    if cfg.precision == "fp16":
+        return "engine.precision: fp16 (bf16 or fp32 are modelled)"
+    if cfg.redundancy != "none":
+        return "engine.redundancy: host copies"
+    if cfg.quantized_weights or cfg.hierarchical_partition or cfg.quantized_gradients != "none":
+        return "engine: ZeRO++ switches"
+    return None
+
+
+def memory_limit(spec: JobSpec, settings, device_memory_gib: float | None) -> tuple[float, int]:
+    """The memory per rank a job is held to (GiB, bytes): the request's, or the
+    service's setting for GPU ranks or CPU ranks."""
+    gib = device_memory_gib or (
+        settings.device_memory_gib if spec.resources.gpus_per_rank else settings.cpu_rank_memory_gib
+    )
+    return gib, int(gib * GIB)
+
+
 def _peak(spec: JobSpec) -> Any:
     """The reference GPT's predicted peak per rank (zeroservice/peak.py, held within
     ±10% of measured peaks), where that model covers the job: Adam or AdamW, dropout 0,
@@ -108,16 +134,7 @@ def _peak(spec: JobSpec) -> Any:
 
     cfg, res = spec.zero_config(), spec.resources
     gpt = spec.model.gpt_config()  # type: ignore[union-attr]
-    covered = (
-        spec.optimizer.type in ("adam", "adamw")
-        and gpt.dropout == 0
-        and cfg.gradient_accumulation_steps == 1
-        and cfg.precision != "fp16"
-        and cfg.redundancy == "none"
-        and not (cfg.quantized_weights or cfg.hierarchical_partition)
-        and cfg.quantized_gradients == "none"
-    )
-    if not covered:
+    if uncovered(spec, cfg) is not None:
         return None
     try:
         return predict_peak(

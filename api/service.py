@@ -15,13 +15,14 @@ from workers.spec import JobSpec
 from workers.state import ACTIVE
 
 from . import store
+from .auto_config import AutoRefused, is_auto, resolve
 from .backend import Backend
 from .confine import Refused, confine
 from .db import make_engine, session_factory
 from .errors import Rejected
 from .metrics import ApiMetrics
 from .migrate import upgrade
-from .plan import GIB, PlanRefused, plan_job
+from .plan import GIB, PlanRefused, memory_limit, plan_job
 from .rate_limit import RateLimiter
 from .scheduler import Scheduler
 from .settings import Settings
@@ -62,13 +63,20 @@ class Service:
         naming the field when it names something else or its model cannot be built."""
         try:
             spec = confine(spec, tenant, self.settings)
-            return spec, plan_job(
-                spec, self.settings, self.count_parameters, device_memory_gib, refuse
-            )
+            auto = None
+            if is_auto(spec):  # see api/auto_config.py
+                _, limit = memory_limit(spec, self.settings, device_memory_gib)
+                spec, auto = resolve(spec, limit)
+            plan = plan_job(spec, self.settings, self.count_parameters, device_memory_gib, refuse)
         except (Refused, ModelNotBuildable) as exc:
             raise Rejected(422, str(exc)) from None
         except PlanRefused as refused:
             raise Rejected(422, refused.detail) from None
+        except AutoRefused as refused:
+            if refuse or not refused.nothing_fits:
+                raise Rejected(422, refused.detail) from None
+            return spec, refused.detail
+        return spec, plan if auto is None else {**plan, "auto": auto}
 
     def live_snapshot(self, job_id: str) -> dict[str, Any] | None:
         """The supervisor's current metrics and targets (no events, logs or history);

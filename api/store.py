@@ -161,10 +161,12 @@ def submit(
     priority: int,
     checkpoint_base: str,
     checkpoint_sub: str | None = None,
+    events: list[dict[str, Any]] | None = None,
 ) -> Created:
     """Store a queued job, its checkpoints placed under ``checkpoint_base`` (see
-    api/confine.py); with a submission id already used by this tenant, the existing
-    job instead (the unique constraint decides under concurrency)."""
+    api/confine.py), with ``events`` (kind, reason, message, data) after "submitted";
+    with a submission id already used by this tenant, the existing job instead (the
+    unique constraint decides under concurrency)."""
     if submission_id is not None:
         found = _by_submission(session, who.tenant_id, submission_id)
         if found is not None:
@@ -197,6 +199,8 @@ def submit(
             job_id=job.id, time=now, kind="status", reason="submitted", message="queued", data={}
         )
     )
+    for event in events or []:
+        session.add(JobEvent(job_id=job.id, time=now, **event))
     try:
         session.commit()
     except IntegrityError:

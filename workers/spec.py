@@ -275,7 +275,8 @@ class JobSpec(_Strict):
     """What to train on."""
     engine: dict[str, Any] = Field(default_factory=dict)
     """ZeroConfig fields (stage, precision, buckets, prefetch, activation
-    checkpointing, offload, gradient_accumulation_steps, clipping, lr_schedule...)."""
+    checkpointing, offload, gradient_accumulation_steps, clipping, lr_schedule...);
+    ``"stage": "auto"`` lets the service choose (api/auto_config.py)."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     """The optimizer run on each rank's fp32 shards."""
     steps: int = Field(100, ge=1, le=10**9)
@@ -308,8 +309,11 @@ class JobSpec(_Strict):
     @classmethod
     def _engine_config(cls, value: dict[str, Any]) -> dict[str, Any]:
         _finite_json(value, "engine")
+        checked = dict(value)
+        if checked.get("stage") == "auto":  # resolved at submission: api/auto_config.py
+            checked["stage"] = 0
         try:
-            ZeroConfig.from_dict(dict(value))
+            ZeroConfig.from_dict(checked)
         except (ConfigError, TypeError) as exc:
             raise ValueError(f"engine.{exc}") from None
         return value
@@ -341,6 +345,11 @@ class JobSpec(_Strict):
         return self
 
     def zero_config(self) -> ZeroConfig:
+        if self.engine.get("stage") == "auto":
+            raise ConfigError(
+                "stage: auto is resolved by the control plane when the job is submitted "
+                "(api/auto_config.py); the stored spec names the chosen stage"
+            )
         cfg = dict(self.engine)
         cfg.setdefault("train_micro_batch_size", self.micro_batch)
         return ZeroConfig.from_dict(cfg)

@@ -115,6 +115,7 @@ def auto_configure(
     precision: str = "fp32",
     micro_batch: int = 1,
     seq_len: int | None = None,
+    mp: int | None = None,
     margin: float = 0.10,
     flops_per_second: float = 5e10,
     link_bytes_per_second: float = 1e9,
@@ -122,9 +123,15 @@ def auto_configure(
     collective_seconds: float = 1e-4,
 ) -> AutoChoice:
     """The configuration with the least predicted step time whose predicted peak, with
-    ``margin``, fits ``memory_per_rank`` bytes. See [Note: automatic configuration]."""
+    ``margin``, fits ``memory_per_rank`` bytes. See [Note: automatic configuration].
+    ``mp``: weigh only that N_m (an elastic job's replicas keep their size)."""
     if world < 1 or memory_per_rank < 1 or micro_batch < 1:
         raise ValueError("world, memory_per_rank and micro_batch: must be >= 1")
+    if mp is not None and (mp < 1 or world % mp or gpt.n_head % mp or gpt.vocab_size % mp):
+        raise ValueError(
+            f"mp: {mp} must divide the world ({world}), the heads ({gpt.n_head}) and the "
+            f"vocabulary ({gpt.vocab_size})"
+        )
     if not 0 <= margin < 1:
         raise ValueError(f"margin: must be in [0, 1), got {margin}")
     if precision not in PARAM_BYTES:
@@ -133,6 +140,7 @@ def auto_configure(
     candidates = [
         AutoCandidate(c, predict_peak(c), _step_seconds(c, *rates))
         for c in _configurations(gpt, world, precision, micro_batch, seq_len)
+        if mp is None or c.mp == mp
     ]
     smallest = min(candidates, key=lambda a: (a.peak.peak, a.step_seconds))
     fitting = [a for a in candidates if a.peak.peak * (1 + margin) <= memory_per_rank]

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from workers.state import ACTIVE, TERMINAL, JobState
 
 from .. import quota, store
+from ..auto_config import configured_event
 from ..confine import checkpoint_base
 from ..db import Job
 from ..deps import CurrentPrincipal, JobId, ServiceDep, SessionDep, job_or_404
@@ -43,7 +44,8 @@ def _out(db: Session, job: Job, with_spec: bool = False) -> JobOut:
 def submit(
     body: JobSubmit, service: ServiceDep, db: SessionDep, who: CurrentPrincipal, response: Response
 ) -> JobOut:
-    spec, _ = service.confined_plan(body.spec, who.tenant, None, refuse=True)
+    spec, plan = service.confined_plan(body.spec, who.tenant, None, refuse=True)
+    auto = plan.get("auto")
     try:
         quota.check_submission(db, who, spec, body.priority, service.settings)
     except quota.OverLimit as over:
@@ -57,6 +59,7 @@ def submit(
         body.priority,
         checkpoint_base(service.settings, who.tenant),
         spec.checkpoint.dir,
+        events=[] if auto is None else [configured_event(auto)],
     )
     if not created.created:
         response.status_code = 200
