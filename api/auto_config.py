@@ -92,7 +92,7 @@ def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any
         _refuse(
             f"engine.stage auto: {choice.reason}",
             auto=weighed,
-            needed_bytes=int(choice.smallest.peak.peak * (1 + choice.margin)),
+            needed_bytes=choice.need(choice.smallest),
             available_bytes=memory_per_rank,
         )
     chosen = choice.choice

@@ -176,7 +176,8 @@ def measure(cfg: GPTConfig, batch: int, mp: int, engine_config: dict) -> dict:
     """In each rank: train ``cfg`` with ``engine_config`` (MP ``mp``) and return the peak
     above the baseline, the phase that holds it and the engine's ledger."""
     topo = zeroservice.build_topology(mp)
-    tiny = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32)
+    heads = max(2, mp)  # divisible by N_m, as the vocabulary (64) is for N_m <= 64
+    tiny = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=heads, dim=16 * heads)
     warm = _engine(engine_config, mp, tiny, topo)
     _train(warm, tiny, 2, topo, 1, None)
     warm.close()

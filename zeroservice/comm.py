@@ -230,8 +230,10 @@ class Communicator:
     [Note: rings on gloo] in ring.py): natively where the backend is fast (NCCL),
     as point-to-point rings on gloo, whose own versions are 2-4x slower. The ledger
     names the implementation of each entry. ``ring_chunk`` caps the ring's receive
-    scratch (see RingComm). Every wait on gloo goes through ``interrupt`` (see
-    [Note: interrupting a collective] in interrupt.py); engines pass theirs.
+    scratch (see RingComm). With ``interrupt`` (engines pass theirs) every wait on gloo
+    can be given up from another thread (see [Note: interrupting a collective] in
+    interrupt.py); without, native ops are waited for on the caller's thread, which
+    costs no waiter thread (the model-parallel groups: their jobs restart whole).
     """
 
     def __init__(
@@ -244,7 +246,7 @@ class Communicator:
         interrupt: Interrupt | None = None,
     ):
         self.group, self.ledger = group, ledger
-        self.interrupt = interrupt if interrupt is not None else Interrupt()
+        self.interrupt = interrupt
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
@@ -272,12 +274,14 @@ class Communicator:
 
     def _native(self, work) -> Callable[[], Any]:
         """How to wait for a native op: on gloo, where another thread can give it up."""
-        if self.backend != "gloo":
+        interrupt = self.interrupt
+        if interrupt is None or self.backend != "gloo":
             return work.wait
-        return lambda: self.interrupt.run(work.wait)
+        return lambda: interrupt.run(work.wait)
 
     def _ring(self, future: Future[float]) -> Callable[[], float]:
-        return lambda: self.interrupt.result(future)
+        interrupt = self.interrupt
+        return future.result if interrupt is None else lambda: interrupt.result(future)
 
     def _pending(self, wait, op, tag, payload, impl="native", peer=None) -> Pending:
         self.ledger.launched += 1
@@ -357,6 +361,8 @@ class Communicator:
     def close(self) -> None:
         """Stop the ring's and the waiter's threads; after an interrupt, without
         waiting for a transfer that may never end."""
+        fired = self.interrupt is not None and self.interrupt.fired
         if self.ring is not None:
-            self.ring.shutdown(wait=not self.interrupt.fired)
-        self.interrupt.close()
+            self.ring.shutdown(wait=not fired)
+        if self.interrupt is not None:
+            self.interrupt.close()
