@@ -43,7 +43,24 @@ class Placement:
 
 
 def placement_name(job_id: str, dp: int) -> str:
-    return f"zeroservice-{job_id}-{dp}"
+    return f"{job_prefix(job_id)}{dp}"
+
+
+def grow_placement_name(job_id: str, tag: str) -> str:
+    """A placement taken to grow a running group (``RayWorkerPool.reserve``/``extend``)."""
+    return f"{job_prefix(job_id)}grow-{tag}"
+
+
+def job_prefix(job_id: str) -> str:
+    """What every name of the job's placements starts with."""
+    return f"zeroservice-{job_id}-"
+
+
+def is_job_placement(job_id: str, name: str) -> bool:
+    """The job's own placement or one taken to grow it."""
+    prefix = job_prefix(job_id)
+    rest = name[len(prefix) :] if name.startswith(prefix) else ""
+    return rest.isdigit() or rest.startswith("grow-")
 
 
 def replicas_available(resources: ResourcesSpec) -> int:

@@ -26,7 +26,13 @@ from zeroservice.checkpoint.storage import is_uri
 
 from .cluster import actor_env
 from .messages import RankProgress, RankSetup
-from .placement import Placement, place, placement_name, replicas_available
+from .placement import (
+    Placement,
+    grow_placement_name,
+    is_job_placement,
+    place,
+    replicas_available,
+)
 from .rank import RankWorker
 from .spec import JobSpec
 from .worker_group import GroupStartFailed, RankDied, RankError
@@ -56,13 +62,9 @@ def _job_ranks(job_id: str) -> dict[str, dict[int, tuple[str, int]]]:
 def _job_placements(job_id: str) -> dict[str, Placement]:
     """The job's placement groups not removed (its own and those taken for a grow, see
     ``RayWorkerPool.extend``), by id; a placement's dp is its count of bundles."""
-    prefix = placement_name(job_id, 0)[:-1]
     out = {}
     for pg_id, info in placement_group_table().items():
-        name = info.get("name", "")
-        rest = name[len(prefix) :] if name.startswith(prefix) else ""
-        mine = rest.isdigit() or rest.startswith("grow-")
-        if mine and info.get("state") != "REMOVED":
+        if is_job_placement(job_id, info.get("name", "")) and info.get("state") != "REMOVED":
             group = PlacementGroup(ray.PlacementGroupID.from_hex(pg_id))
             out[pg_id] = Placement(group, len(info.get("bundles", {})))
     return out
@@ -422,7 +424,7 @@ class RayWorkerPool:
             short,
             wait_s=2.0,
             settle_s=0.0,
-            name=f"{placement_name(self.job_id, 0)[:-1]}grow-{uuid.uuid4().hex[:8]}",
+            name=grow_placement_name(self.job_id, uuid.uuid4().hex[:8]),
         )
         if extra is not None:
             group.placements.append(extra)
@@ -444,7 +446,7 @@ class RayWorkerPool:
                 count - added - len(seats),
                 wait_s=5.0,
                 settle_s=0.0,
-                name=f"{placement_name(self.job_id, 0)[:-1]}grow-{attempt}",
+                name=grow_placement_name(self.job_id, attempt),
             )
             if extra is not None:
                 group.placements.append(extra)

@@ -256,6 +256,9 @@ class Communicator:
         self.nodes = list(nodes) if nodes is not None else [0] * self.world
         """The node of each group rank. See [Note: bytes by link]."""
         assert len(self.nodes) == self.world
+        here = self.nodes[self.rank]
+        self._peers_here = sum(1 for r, n in enumerate(self.nodes) if r != self.rank and n == here)
+        """Other ranks on this rank's node; the other world - 1 - this are on others."""
 
     def _links(self, op: str, payload: torch.Tensor, peer: int | None) -> tuple[int, int]:
         """(intra, cross) bytes this rank receives. See [Note: bytes by link]."""
@@ -268,9 +271,8 @@ class Communicator:
                 return 0, 0
             return (size, 0) if self.nodes[peer] == here else (0, size)
         share = size // self.world * (2 if op == "all_reduce" else 1)
-        others = [n for r, n in enumerate(self.nodes) if r != self.rank]
-        same = sum(1 for n in others if n == here)
-        return share * same, share * (len(others) - same)
+        same = self._peers_here
+        return share * same, share * (self.world - 1 - same)
 
     def _native(self, work) -> Callable[[], Any]:
         """How to wait for a native op: on gloo, where another thread can give it up."""
