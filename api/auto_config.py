@@ -26,6 +26,8 @@ from workers.spec import GPTModelSpec, JobSpec
 from zeroservice.autoconf import auto_configure
 from zeroservice.config import ZeroConfig
 
+from .plan import uncovered
+
 CHOSEN = (
     "stage",
     "activation_checkpointing",
@@ -58,8 +60,6 @@ def is_auto(spec: JobSpec) -> bool:
 def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any]]:
     """The spec with the chosen configuration, and the choice (what was weighed, the
     reason); raises AutoRefused when nothing fits or the job is outside the model."""
-    from .plan import uncovered
-
     if not isinstance(spec.model, GPTModelSpec):
         _refuse(
             "engine.stage: auto needs the reference GPT (model.kind gpt): peaks are "

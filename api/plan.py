@@ -44,17 +44,8 @@ def plan_job(
     )
     p = plan(
         model,
-        dp=res.lowest_dp,
-        mp=res.mp,
-        stage=cfg.stage,
-        precision=cfg.precision,
-        offload_optimizer=cfg.offload_optimizer,
-        activation_checkpointing=cfg.activation_checkpointing,
-        partition_activations=cfg.partition_activations,
-        cpu_offload_activations=cfg.cpu_offload_activations,
-        seq_len=spec.model.seq_len,
+        **_sizing(spec, cfg),
         micro_batch=spec.micro_batch if gpt else None,
-        bucket_elements=cfg.bucket_elements,
         redundancy=cfg.redundancy,
     )
     gib, limit = memory_limit(spec, settings, device_memory_gib)
@@ -125,6 +116,23 @@ def memory_limit(spec: JobSpec, settings, device_memory_gib: float | None) -> tu
     return gib, int(gib * GIB)
 
 
+def _sizing(spec: JobSpec, cfg: ZeroConfig) -> dict[str, Any]:
+    """What the formula (``planner.plan``) and the peak model (``PeakConfig``) both take
+    of a job, at its fewest replicas (where each rank holds the most)."""
+    return {
+        "dp": spec.resources.lowest_dp,
+        "mp": spec.resources.mp,
+        "stage": cfg.stage,
+        "precision": cfg.precision,
+        "offload_optimizer": cfg.offload_optimizer,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "partition_activations": cfg.partition_activations,
+        "cpu_offload_activations": cfg.cpu_offload_activations,
+        "seq_len": spec.model.seq_len,
+        "bucket_elements": cfg.bucket_elements,
+    }
+
+
 def _peak(spec: JobSpec) -> Any:
     """The reference GPT's predicted peak per rank (zeroservice/peak.py, held within
     ±10% of measured peaks), where that model covers the job: Adam or AdamW, dropout 0,
@@ -132,7 +140,7 @@ def _peak(spec: JobSpec) -> Any:
     switches; None otherwise (the planner's formula is used)."""
     from zeroservice.peak import PeakConfig, predict_peak
 
-    cfg, res = spec.zero_config(), spec.resources
+    cfg = spec.zero_config()
     gpt = spec.model.gpt_config()  # type: ignore[union-attr]
     if uncovered(spec, cfg) is not None:
         return None
@@ -140,17 +148,8 @@ def _peak(spec: JobSpec) -> Any:
         return predict_peak(
             PeakConfig(
                 gpt=gpt,
-                stage=cfg.stage,
-                dp=res.lowest_dp,
-                mp=res.mp,
-                precision=cfg.precision,
+                **_sizing(spec, cfg),
                 micro_batch=spec.micro_batch,
-                seq_len=spec.model.seq_len,
-                activation_checkpointing=cfg.activation_checkpointing,
-                partition_activations=cfg.partition_activations,
-                cpu_offload_activations=cfg.cpu_offload_activations,
-                offload_optimizer=cfg.offload_optimizer,
-                bucket_elements=cfg.bucket_elements,
                 prefetch_elements=cfg.stage3_prefetch_elements,
             )
         )
