@@ -68,7 +68,7 @@ from .job_states import (
     State,
     Succeeded,
 )
-from .messages import RankChunk, RankProgress
+from .messages import RankChunk, RankProgress, RankSetup
 from .spec import JobSpec
 from .state import check_transition
 from .tracking import NoTracking, Tracking
@@ -129,6 +129,10 @@ class JobController:
         self.unsaved: list[dict[str, Any]] = []
         """History points since the last checkpoint: the next save carries them (see
         ``RankSetup.history``)."""
+        self.reported_save: int | None = 0 if initial is None else None
+        """The step of the newest save recorded as ``checkpoint/saved``; None in a
+        supervisor that replaces a lost one, which cannot know what its predecessor
+        recorded (see ``_found_save``)."""
         if initial is not None:  # a machine that begins elsewhere (a replaced supervisor)
             record.set_status(initial.kind, initial.reason, initial.message)
 
@@ -268,6 +272,7 @@ class JobController:
         self._carried(first.history, first.start_step)
         with self.record.lock:
             self.record.step = first.start_step
+        self._found_save(first)
         origin = (
             f"checkpoint {first.loaded} at step {first.start_step}" if first.loaded else "scratch"
         )
@@ -293,6 +298,23 @@ class JobController:
             budget = self.spec.max_restarts
             return Failed(reason=reason, message=f"{message} (restart budget of {budget} spent)")
         return Resizing(reason=reason, message=f"restarting from the newest checkpoint: {message}")
+
+    def _found_save(self, first: RankSetup) -> None:
+        """Record a loaded checkpoint whose save was never reported: the ranks commit a
+        save together, and a rank lost after the commit but before every rank answered
+        interrupts the save call, so its ``checkpoint/saved`` event was not written."""
+        step, path = first.start_step, first.loaded
+        if path is None or self.reported_save is None or step <= self.reported_save:
+            return
+        self.reported_save = step
+        self.record.event(
+            "checkpoint",
+            "saved",
+            f"step {step}: {path} (committed as its group was lost; found when loaded)",
+            path=path,
+            found=True,
+        )
+        self.tracker.checkpoint(step, path)
 
     def _cancelled(self) -> State:
         return Cancelled(message=self.cancel_reason)
@@ -350,6 +372,7 @@ class JobController:
         self.unsaved = [p for p in self.unsaved if p["step"] > step]
         with self.record.lock:
             self.record.step = step
+        self.reported_save = step
         self.record.event("checkpoint", "saved", f"step {step}: {path}", path=path)
         if path is not None:
             self.tracker.checkpoint(step, path)
@@ -485,9 +508,10 @@ class JobController:
             origin = f"checkpoint {first.loaded} (the peers' memory lacked: {first.fallback})"
         else:
             origin = first.loaded or "scratch"
-        with self.record.lock:
-            if first.fallback:
+        if first.fallback:
+            with self.record.lock:
                 self.record.step = first.start_step
+            self._found_save(first)
         self.record.event(
             "placed",
             "regrouped",

@@ -25,6 +25,9 @@ class Script:
     stuck: set[tuple[int, int, int]] = field(default_factory=set)
     """Where a rank waits on a collective until it is interrupted (a transfer from a peer
     killed mid-message: see zeroservice/interrupt.py), then raises."""
+    die_after_commit: set[tuple[int, int, int]] = field(default_factory=set)
+    """(attempt, rank, step) of a save that commits, then loses that rank before it
+    answers (the save's report is lost with it)."""
     full_disk: set[int] = field(default_factory=set)
     """Steps whose save fails (ENOSPC) on every rank."""
     fail_setup: set[int] = field(default_factory=set)
@@ -155,11 +158,16 @@ class ScriptedRank:
         path = f"/ckpt/step-{self.step:08d}"
         if self.step in self.script.full_disk:
             return RankSaved(None, f"{path}: save failed: rank 1: ENOSPC: No space left on device")
-        if self.rank == 0:
+        committed = (self.attempt, self.rank, self.step) in self.script.die_after_commit
+        if self.rank == 0 or committed:
             self.script.saved = self.step
             self.script.saved_history = list(history or [])
-            if self.script.on_save:
+            if self.script.on_save and self.rank == 0:
                 self.script.on_save(self.step)
+        if committed:
+            if self.script.on_kill:
+                self.script.on_kill()
+            raise RankDied(self.rank, "the actor died unexpectedly")
         self.saved_step = self.step
         return RankSaved(path)
 

@@ -81,6 +81,22 @@ def test_a_killed_rank_restarts_smaller_from_the_checkpoint():
     assert sorted(ctl.record.losses) == list(range(1, 13))
 
 
+def test_a_save_committed_as_its_rank_dies_is_recorded_when_loaded():
+    script = Script(die_after_commit={(1, 1, 4)})
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)
+    spec = tiny_job(steps=12, resources={"dp": 2, "min_dp": 1, "max_dp": 2})
+    ctl = _controller(spec, pool)
+    assert _steps(ctl, 4)[2:] == [(Running, Resizing), (Resizing, Running)]
+    assert ctl.group.dp == 1 and ctl.record.step == 4
+    (found,) = _events(ctl, "checkpoint")
+    assert found["reason"] == "saved" and found["step"] == 4 and found["found"]
+    assert found["path"] == "step-00000004"
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED
+    assert [e["step"] for e in _events(ctl, "checkpoint")] == [4, 8, 12]
+
+
 def test_returned_capacity_grows_the_job_at_a_checkpoint_boundary():
     script = Script()
     pool = scripted_pool(script, capacity=1)
