@@ -26,12 +26,13 @@ closed. On NCCL ``work.wait()`` does not block the host, and nothing is moved of
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+from .serial import SerialThread
 
 T = TypeVar("T")
 
@@ -45,7 +46,7 @@ class Interrupt:
 
     def __init__(self) -> None:
         self._fired: Future[str] = Future()
-        self._waiter: _Waiter | None = None
+        self._waiter: SerialThread | None = None
         self._lock = threading.Lock()
 
     @property
@@ -73,7 +74,7 @@ class Interrupt:
             raise CommInterrupted(f"collective abandoned: {self._fired.result()}")
         with self._lock:
             if self._waiter is None:
-                self._waiter = _Waiter()
+                self._waiter = SerialThread("zeroservice-wait")
             waiter = self._waiter
         return self.result(waiter.submit(blocking))
 
@@ -82,33 +83,5 @@ class Interrupt:
         interrupt it may be blocked until the group's timeout)."""
         with self._lock:
             if self._waiter is not None:
-                self._waiter.stop()
+                self._waiter.stop(wait=False)
                 self._waiter = None
-
-
-class _Waiter:
-    """One daemon thread running blocking calls in order. A daemon, and never joined, so
-    that a call left blocked by an interrupt delays neither close() nor the process's
-    exit."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._serve, name="zeroservice-wait", daemon=True).start()
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._jobs.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the waiting thread
-                future.set_exception(exc)

@@ -5,7 +5,7 @@ gloo's reduce_scatter and all_gather are slow next to its all_reduce: measured o
 a 2-core machine, world 2, 8M fp32 elements: all_reduce 27 ms, reduce_scatter 56 ms,
 all_gather 49 ms, while a ring of isend/irecv moves the same data in 16 ms
 (reduce-scatter) and 11 ms (all-gather). So on gloo the engine runs these two ops as
-rings on one background thread: N - 1 steps, each sending one 1/N chunk to the next
+rings on one background thread (serial.py): N - 1 steps, each sending one 1/N chunk to the next
 rank and receiving one from the previous. The thread runs jobs in submission order,
 which is the same on every rank, so transfers always match.
 
@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
+
+from .serial import SerialThread
 
 
 class RingComm:
@@ -49,10 +51,10 @@ class RingComm:
 
         self.next = global_rank((self.rank + 1) % self.world)
         self.prev = global_rank((self.rank - 1) % self.world)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroservice-ring")
+        self._thread = SerialThread("zeroservice-ring")
         # A script that never calls engine.close() still stops and joins the thread at
         # interpreter exit, before torch.distributed's own teardown.
-        self._stop = weakref.finalize(self, self._pool.shutdown, wait=True)
+        self._stop = weakref.finalize(self, self._thread.stop, wait=True)
         self._scratch: torch.Tensor | None = None
 
     @property
@@ -70,20 +72,21 @@ class RingComm:
 
     def reduce_scatter(self, buffer: torch.Tensor) -> Future[float]:
         """Sum ``buffer`` across ranks into its chunk ``rank``; returns seconds taken."""
-        return self._pool.submit(self._reduce_scatter, buffer)
+        return self._thread.submit(self._reduce_scatter, buffer)
 
     def all_gather(self, buffer: torch.Tensor) -> Future[float]:
         """Fill every chunk of ``buffer`` from the rank that owns it; returns seconds."""
-        return self._pool.submit(self._all_gather, buffer)
+        return self._thread.submit(self._all_gather, buffer)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the thread; ``wait=False`` drops the queued jobs and leaves a transfer
-        in progress to its group's timeout (after an interrupt: see interrupt.py)."""
+        in progress to its group's timeout (after an interrupt: see interrupt.py) on a
+        daemon thread that does not hold up the process's exit."""
         if wait:
             self._stop()
         else:
             self._stop.detach()
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._thread.stop(wait=False)
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         reqs = [

@@ -38,14 +38,35 @@ def test_other_collectives_accepted(impl, backend):
     check_collectives(impl, backend)
 
 
-def _launch_pair(_: int) -> tuple[int, int]:
-    """One 2-rank job of exit_script.py; both ranks' exit codes."""
+def _start_pair(*extra: str) -> list[subprocess.Popen]:
+    """The two ranks of one job of exit_script.py."""
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "tests.engine.exit_script"]
-    procs = [subprocess.Popen([*cmd, str(r), "2", port], cwd=ROOT, env=env) for r in range(2)]
-    codes = [p.wait(timeout=300) for p in procs]
+    return [
+        subprocess.Popen([*cmd, str(r), "2", port, *extra], cwd=ROOT, env=env) for r in range(2)
+    ]
+
+
+def _launch_pair(_: int) -> tuple[int, int]:
+    """One 2-rank job of exit_script.py; both ranks' exit codes."""
+    codes = [p.wait(timeout=300) for p in _start_pair()]
     return codes[0], codes[1]
+
+
+def test_an_interrupted_rank_exits_while_its_ring_still_waits_on_a_silent_peer(tmp_path):
+    """Rank 1 stays alive but silent (a peer killed mid-message looks so on gloo) for up
+    to 300 s, the group's timeout too; rank 0, interrupted inside the ring, closes and
+    exits at once: its ring thread, still blocked, must not hold up the exit."""
+    flag = tmp_path / "peer-may-go"
+    rank0, rank1 = _start_pair(str(flag))
+    try:
+        assert rank0.wait(timeout=150) == 0
+        assert rank1.poll() is None  # the peer has not let go of the transfer
+    finally:
+        flag.touch()
+        rank0.kill()
+        assert rank1.wait(timeout=300) == 0
 
 
 @pytest.mark.slow

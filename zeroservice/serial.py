@@ -1,0 +1,68 @@
+"""Calls run one after another on one background thread.
+
+A daemon thread, unlike ``ThreadPoolExecutor``'s workers (joined at interpreter exit):
+a call left blocked after an interrupt (a transfer from a peer that died in the middle
+of a message, see [Note: interrupting a collective] in interrupt.py) must delay neither
+``Engine.close()`` nor the process's exit. Calls that end normally are joined by
+``stop(wait=True)``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class SerialThread:
+    """Runs submitted calls in submission order on one daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self._thread.name}: submitted after stop()")
+            self._jobs.put((lambda: fn(*args), future))
+        return future
+
+    def stop(self, wait: bool = True) -> None:
+        """End the thread once the calls queued are done, joining it (``wait``); or
+        cancel the calls not started and leave the one in progress (never joined)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if not wait:
+                while True:
+                    try:
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is not None:
+                        job[1].cancel()
+            self._jobs.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
