@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.spec import GPTModelSpec, JobSpec
+from zeroservice.autoconf import RUNTIME_RESERVE
 from zeroservice.config import ZeroConfig
 
 GIB = 2**30
@@ -54,10 +55,13 @@ def plan_job(
     formula = int(per_rank["device_total"])
     if not res.gpus_per_rank:  # a CPU rank's "device" and host are the same memory
         formula += int(per_rank["host_total"])
-    needed = peak.peak if peak is not None else formula
+    needed = peak.peak + RUNTIME_RESERVE if peak is not None else formula
     fits = needed <= limit
     if peak is not None:
-        basis = f" (predicted peak, at the {peak.phase})"
+        basis = (
+            f" (predicted peak, at the {peak.phase}, plus the "
+            f"{RUNTIME_RESERVE / 2**20:g} MiB runtime reserve)"
+        )
     elif gpt:
         basis = " (model states, activations and buffers by formula, host copies included)"
     else:
@@ -79,6 +83,7 @@ def plan_job(
         if peak is None
         else {
             "bytes": peak.peak,
+            "reserve_bytes": RUNTIME_RESERVE,
             "phase": peak.phase,
             "by_kind": peak.breakdown[peak.phase],
         },

@@ -10,7 +10,7 @@ import pytest
 from api.auto_config import AutoRefused, resolve
 from tests.api.test_routes import TINY
 from workers.spec import JobSpec
-from zeroservice.autoconf import auto_configure
+from zeroservice.autoconf import RUNTIME_RESERVE, auto_configure
 from zeroservice.config import ConfigError
 
 GIB = 2**30
@@ -68,7 +68,9 @@ def test_the_plan_of_an_auto_job_says_what_was_chosen_and_why(harness):
     assert got["auto"]["choice"]["engine"] == want.choice.engine_config()
     assert got["auto"]["considered"] == len(want.candidates)
     assert "predicted peak" in got["auto"]["reason"]
-    assert got["needed_bytes"] == want.choice.peak.peak  # the resolved job's own plan
+    # The resolved job's own plan: its peak with the runtime reserve (auto also adds the
+    # margin, so what auto chooses is always admitted).
+    assert got["needed_bytes"] == want.choice.peak.peak + RUNTIME_RESERVE
 
 
 def test_nothing_fits_is_refused_with_the_numbers(harness):

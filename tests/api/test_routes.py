@@ -10,6 +10,7 @@ from sqlalchemy import select, text
 
 from api.db import ApiToken, Job
 from tests.api.conftest import Harness
+from zeroservice.autoconf import RUNTIME_RESERVE
 
 TINY = {
     "name": "tiny",
@@ -174,7 +175,8 @@ def test_the_plan_of_a_reference_gpt_is_its_predicted_peak(harness):
             micro_batch=job.micro_batch,
         )
     )
-    assert got["needed_bytes"] == want.peak == got["peak"]["bytes"]
+    assert got["peak"]["bytes"] == want.peak and got["peak"]["reserve_bytes"] == RUNTIME_RESERVE
+    assert got["needed_bytes"] == want.peak + RUNTIME_RESERVE
     assert got["peak"]["phase"] == want.phase and "predicted peak" in got["message"]
     assert got["needed_bytes"] != got["per_rank"]["device_total"]
     spec["engine"] = {"stage": 2, "redundancy": "host-copy"}
