@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, LossScaleConfig, ScheduleConfig, ZeroConfig
+from .config import ConfigError, LossScaleConfig, ScheduleConfig, ZeroConfig, _is_int
 from .optim import OptimizerFactory
 
 _TOP = {
@@ -46,6 +46,10 @@ _ZERO = {
     "stage3_max_live_parameters",
     "stage3_param_persistence_threshold",
     "offload_optimizer",
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights",
+    "zero_hpz_partition_size",
 }
 _FP16 = {
     "enabled",
@@ -111,6 +115,44 @@ def _zero(zero: dict[str, Any], out: dict[str, Any]) -> None:
             )
         _insist(offload, "pin_memory", True, "zero_optimization.offload_optimizer.")
         out["offload_optimizer"] = device == "cpu"
+    _zeropp(zero, out)
+
+
+def _zeropp(zero: dict[str, Any], out: dict[str, Any]) -> None:
+    """ZeRO++'s three switches, refused by their DeepSpeed names where the stage does not
+    have them. DeepSpeed's qgZ sends int4 blocks; its hpZ partition size is the number of
+    ranks that share a node, which is also what splits our ledger into intra- and
+    cross-node bytes and makes qgZ go in two hops."""
+    where, stage = "zero_optimization.", out["stage"]
+    _insist(zero, "zero_quantized_nontrainable_weights", False, where)
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if not isinstance(zero.get(key, False), bool):
+            raise ConfigError(f"{where}{key}={zero[key]!r}: must be true or false")
+    if zero.get("zero_quantized_weights", False):
+        if stage != 3:
+            raise ConfigError(
+                f"{where}zero_quantized_weights: needs stage 3 (weights are gathered only "
+                f"there); stage is {stage}"
+            )
+        out["quantized_weights"] = True
+    if zero.get("zero_quantized_gradients", False):
+        if stage < 1:
+            raise ConfigError(
+                f"{where}zero_quantized_gradients: needs stage 1, 2 or 3 (stage 0 "
+                "all-reduces gradients)"
+            )
+        out["quantized_gradients"] = "int4"
+    size = zero.get("zero_hpz_partition_size", 1)
+    if not _is_int(size) or size < 1:
+        raise ConfigError(f"{where}zero_hpz_partition_size={size!r}: must be an integer >= 1")
+    if size > 1:
+        if stage != 3:
+            raise ConfigError(
+                f"{where}zero_hpz_partition_size={size}: needs stage 3 (the secondary "
+                f"shard is of gathered weights); stage is {stage}"
+            )
+        out["hierarchical_partition"] = True
+        out["ranks_per_node"] = size
 
 
 def _activations(section: dict[str, Any] | None, out: dict[str, Any]) -> None:

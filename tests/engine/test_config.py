@@ -104,6 +104,44 @@ def test_deepspeed_stage3_translates():
     assert cfg.stage3_persistence_elements == 10_000
 
 
+def test_deepspeed_zeropp_keys_translate():
+    zero = {
+        "stage": 3,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+        "zero_hpz_partition_size": 2,
+        "zero_quantized_nontrainable_weights": False,
+    }
+    cfg = from_deepspeed({"zero_optimization": zero}).config
+    assert cfg.quantized_weights and cfg.quantized_gradients == "int4"
+    assert cfg.hierarchical_partition and cfg.ranks_per_node == 2
+    plain = from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
+    assert not plain.config.hierarchical_partition and plain.config.ranks_per_node is None
+    assert plain.config.quantized_gradients == "none" and not plain.config.quantized_weights
+    stage2 = from_deepspeed({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
+    assert stage2.config.quantized_gradients == "int4"
+
+
+@pytest.mark.parametrize(
+    "zero,message",
+    [
+        ({"stage": 2, "zero_quantized_weights": True}, "zero_quantized_weights: needs stage 3"),
+        ({"stage": 0, "zero_quantized_gradients": True}, "zero_quantized_gradients: needs stage"),
+        ({"stage": 2, "zero_hpz_partition_size": 4}, "zero_hpz_partition_size=4: needs stage 3"),
+        ({"stage": 3, "zero_hpz_partition_size": 0}, "zero_hpz_partition_size=0: must be"),
+        ({"stage": 3, "zero_hpz_partition_size": 2.0}, "zero_hpz_partition_size=2.0: must be"),
+        ({"stage": 3, "zero_quantized_weights": "yes"}, "zero_quantized_weights='yes': must be"),
+        (
+            {"stage": 3, "zero_quantized_nontrainable_weights": True},
+            "zero_quantized_nontrainable_weights=True",
+        ),
+    ],
+)
+def test_deepspeed_zeropp_keys_are_refused_by_name(zero, message):
+    with pytest.raises(ConfigError, match=f"^zero_optimization\\.{message}"):
+        from_deepspeed({"zero_optimization": zero})
+
+
 def test_deepspeed_offload_and_activation_checkpointing_translate():
     cfg = from_deepspeed(
         {
