@@ -48,6 +48,11 @@ def plan_job(
         **_sizing(spec, cfg),
         micro_batch=spec.micro_batch if gpt else None,
         redundancy=cfg.redundancy,
+        quantized_weights=cfg.quantized_weights,
+        quantized_gradients=cfg.quantized_gradients,
+        hierarchical_partition=cfg.hierarchical_partition,
+        ranks_per_node=cfg.ranks_per_node,
+        quantization_block=cfg.quantization_block,
     )
     gib, limit = memory_limit(spec, settings, device_memory_gib)
     per_rank = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else dict(p)
@@ -63,7 +68,10 @@ def plan_job(
             f"{RUNTIME_RESERVE / 2**20:g} MiB runtime reserve)"
         )
     elif gpt:
-        basis = " (model states, activations and buffers by formula, host copies included)"
+        basis = (
+            " (model states, activations and buffers by formula, host copies and ZeRO++'s"
+            " secondary shards and quantized rows included)"
+        )
     else:
         basis = " (model states only: activations not estimated)"
     message = (

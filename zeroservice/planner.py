@@ -12,8 +12,15 @@ optimizer's bytes (Adam: 8), with Ψ the parameters held by one model-parallel r
 
 Beside them: activations (``activation_bytes``), two gradient staging buffers at
 stages 2 and 3, and at stage 3 the parameters gathered for the running layer and the
-one prefetched after it. ``offload_optimizer`` moves master weights and optimizer
-states to host memory; ``cpu_offload_activations`` moves activation checkpoints there.
+one prefetched after it. ZeRO++ (zeropp.py) adds hpZ's secondary shards, Ψ / L of
+parameter bytes kept from forward to backward (L = ``ranks_per_node``), and the
+quantized send and receive rows: qwZ's of the gathered parameters (int8 and a scale per
+block), qgZ's of two buffers of C_B in flight (one hop: each sent and received whole;
+two hops: one in its first hop, L rows of C_B / L, the other in its second, N_d / L rows
+of C_B / N_d); both at once, except with hpZ, whose backward gathers are not quantized
+(``MemoryPlan.secondary_params`` and ``quantization_scratch``). ``offload_optimizer``
+moves master weights and optimizer states to host memory; ``cpu_offload_activations``
+moves activation checkpoints there.
 
 This module is arithmetic only: planning a 1T-parameter model allocates nothing (a
 module passed in is only inspected, its shards laid out on the meta device).
@@ -26,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from .memory import PARAM_BYTES, model_state_kinds
+from .quantize import BITS, packed_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -151,6 +159,13 @@ class MemoryPlan:
     this rank's and its ring neighbour's (one whole copy at stage 0 or with N_d = 1):
     within 1% of the ledger's ``redundancy_host``, which adds the frozen shards, the
     buffers and each item's 8-byte alignment. Counted in ``host_total``."""
+    secondary_params: int = 0
+    """hpZ: the secondary shards, Ψ / ``ranks_per_node`` parameter bytes, held from the
+    end of forward until backward ends (the ledger's ``secondary_peak``, which counts
+    padded units). Counted in ``device_total``."""
+    quantization_scratch: int = 0
+    """qwZ / qgZ: the quantized rows in flight (the ledger's
+    ``quantization_scratch_peak``). Counted in ``device_total``."""
 
     def as_dict(self) -> dict[str, int | str]:
         return asdict(self)
@@ -172,9 +187,23 @@ def plan(
     micro_batch: int | None = None,
     bucket_elements: int | None = None,
     redundancy: str = "none",
+    quantized_weights: bool = False,
+    quantized_gradients: str = "none",
+    hierarchical_partition: bool = False,
+    ranks_per_node: int | None = None,
+    quantization_block: int = 256,
 ) -> MemoryPlan:
     """Bytes per rank of a ZeRO configuration, by kind. See [Note: memory plan]."""
     spec = describe(model)
+    _check_zeropp(
+        stage,
+        dp,
+        quantized_weights,
+        quantized_gradients,
+        hierarchical_partition,
+        ranks_per_node,
+        quantization_block,
+    )
     if redundancy not in ("none", "host-copy"):
         raise PlanError(f"redundancy: {redundancy!r} is not 'none' or 'host-copy'")
     _check_int("dp", dp, 1)
@@ -218,6 +247,23 @@ def plan(
     if stage == 3:
         per_layer = psi_local // spec.layers if spec.layers else c_b
         gathered = min(psi_local, 2 * per_layer) * p
+    secondary = 0
+    if hierarchical_partition and ranks_per_node is not None:  # checked: hpZ names L
+        secondary = -(-psi_local // ranks_per_node) * p
+    weight_rows = gradient_rows = 0
+    if quantized_weights:
+        weight_rows = qwz_scratch(gathered // p, dp, quantization_block)
+    if quantized_gradients != "none":
+        bits = BITS[quantized_gradients]
+        gradient_rows = qgz_scratch(
+            min(c_b, psi_local), dp, bits, quantization_block, ranks_per_node
+        )
+    # With hpZ, backward gathers come from the secondary shards, unquantized: qwZ's rows
+    # live in forward only and qgZ's in backward only.
+    if hierarchical_partition:
+        scratch = max(weight_rows, gradient_rows)
+    else:
+        scratch = weight_rows + gradient_rows
     # Offloaded: the master and optimizer states, and the fp32 gradient shard the
     # reduced gradients are copied into for the host step.
     shard = psi_local if stage == 0 else -(-psi_local // dp)
@@ -242,10 +288,65 @@ def plan(
         activations_offloaded=acts_host,
         comm_buffers=comm,
         gathered_params=gathered,
-        device_total=model_states - moved + acts + comm + gathered,
+        device_total=model_states - moved + acts + comm + gathered + secondary + scratch,
         host_total=host_states + acts_host + held,
         redundancy_host=held,
+        secondary_params=secondary,
+        quantization_scratch=scratch,
     )
+
+
+def qwz_scratch(gathered: int, dp: int, block: int) -> int:
+    """qwZ's int8 rows of ``gathered`` elements in flight: N_d shards each, a scale per
+    block (the ledger counts each unit's shards, rounded up to whole blocks apiece)."""
+    return dp * packed_bytes(-(-gathered // dp), 8, block)
+
+
+def qgz_scratch(bucket: int, dp: int, bits: int, block: int, ranks_per_node: int | None) -> int:
+    """qgZ's quantized rows of two buffers of ``bucket`` elements reduced at once (the
+    engine's two staging buffers). One hop: each sends and receives N_d rows of
+    bucket / N_d. Two hops: the first hop is waited for at launch, so at most one buffer
+    is in it (L rows of bucket / L, sent and received) while the other is in its second
+    (N_d / L rows of bucket / N_d)."""
+    width = -(-bucket // dp)
+    one_hop = 2 * dp * packed_bytes(width, bits, block)
+    if ranks_per_node is None or ranks_per_node in (1, dp):
+        return 2 * one_hop
+    nodes = dp // ranks_per_node
+    first = 2 * ranks_per_node * packed_bytes(nodes * width, bits, block)
+    second = 2 * nodes * packed_bytes(width, bits, block)
+    return first + second
+
+
+def _check_zeropp(
+    stage: int,
+    dp: int,
+    quantized_weights: bool,
+    quantized_gradients: str,
+    hierarchical_partition: bool,
+    ranks_per_node: int | None,
+    block: int,
+) -> None:
+    """ZeRO++'s switches as ZeroConfig checks them, named by field."""
+    for name, on in (
+        ("quantized_weights", quantized_weights),
+        ("hierarchical_partition", hierarchical_partition),
+    ):
+        if on and stage != 3:
+            raise PlanError(f"{name}: needs stage 3; stage is {stage}")
+    if quantized_gradients not in ("none", *BITS):
+        raise PlanError(
+            f"quantized_gradients: {quantized_gradients!r} is not 'none', 'int8' or 'int4'"
+        )
+    if quantized_gradients != "none" and stage == 0:
+        raise PlanError("quantized_gradients: needs stage 1, 2 or 3")
+    if ranks_per_node is not None:
+        _check_int("ranks_per_node", ranks_per_node, 1)
+        if dp % ranks_per_node:
+            raise PlanError(f"ranks_per_node: {ranks_per_node} does not divide dp {dp}")
+    if hierarchical_partition and ranks_per_node is None:
+        raise PlanError("hierarchical_partition: needs ranks_per_node")
+    _check_int("quantization_block", block, 8)
 
 
 def activation_bytes(

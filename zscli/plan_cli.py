@@ -35,6 +35,11 @@ _FLAGS = {
     "optimizer_bytes": "--optimizer-bytes",
     "bucket_elements": "--bucket-elements",
     "micro_batch": "--micro-batch",
+    "quantized_weights": "--quantized-weights",
+    "quantized_gradients": "--quantized-gradients",
+    "hierarchical_partition": "--hierarchical-partition",
+    "ranks_per_node": "--ranks-per-node",
+    "quantization_block": "--quantization-block",
     "seq_len": "--seq",
     "layers": "--gpt-layers",
     "dim": "--gpt-dim",
@@ -109,6 +114,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-activations", action="store_true")
     run.add_argument("--partition-activations", action="store_true", help="checkpoints / N_m")
     run.add_argument("--cpu-offload-activations", action="store_true", help="checkpoints on host")
+    zpp = p.add_argument_group("ZeRO++ (stage 3; qgZ at stages 1-3)")
+    zpp.add_argument("--quantized-weights", action="store_true", help="qwZ: int8 gathers")
+    zpp.add_argument("--quantized-gradients", default="none", help="qgZ: none, int8 or int4")
+    zpp.add_argument("--hierarchical-partition", action="store_true", help="hpZ: secondary shards")
+    zpp.add_argument("--ranks-per-node", type=int, help="L: hpZ's node, qgZ's first hop")
+    zpp.add_argument("--quantization-block", type=int, default=256, help="elements per scale")
     modes = p.add_argument_group("other modes")
     modes.add_argument("--paper", action="store_true", help="print the paper's Table 1")
     modes.add_argument("--recommend", action="store_true", help="choose stage, N_d, N_m")
@@ -226,6 +237,11 @@ def _plan(args: argparse.Namespace, model: planner.ModelSpec) -> int:
         seq_len=args.seq,
         micro_batch=args.micro_batch,
         bucket_elements=args.bucket_elements,
+        quantized_weights=args.quantized_weights,
+        quantized_gradients=args.quantized_gradients,
+        hierarchical_partition=args.hierarchical_partition,
+        ranks_per_node=args.ranks_per_node,
+        quantization_block=args.quantization_block,
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
@@ -277,9 +293,14 @@ _KINDS = (
     ("activations_offloaded", "activations (host)"),
     ("comm_buffers", "gradient staging"),
     ("gathered_params", "gathered parameters"),
+    ("secondary_params", "hpZ secondary shards"),
+    ("quantization_scratch", "ZeRO++ quantized rows"),
     ("device_total", "device total"),
     ("host_total", "host total"),
 )
+
+_ZEROPP_KINDS = {"secondary_params", "quantization_scratch"}
+"""Shown only when ZeRO++ holds them."""
 
 
 def format_plan(plan: planner.MemoryPlan) -> str:
@@ -294,6 +315,8 @@ def format_plan(plan: planner.MemoryPlan) -> str:
     lines = [head, f"{'kind':<24}{'per rank':>14}{'bytes':>24}"]
     for key, label in _KINDS:
         n = int(values[key])
+        if not n and key in _ZEROPP_KINDS:
+            continue
         lines.append(f"{label:<24}{planner.human_bytes(n):>14}{n:>24,}")
     return "\n".join(lines)
 

@@ -184,6 +184,19 @@ def test_the_plan_of_a_reference_gpt_is_its_predicted_peak(harness):
     assert other["peak"] is None and other["per_rank"]["redundancy_host"] > 0
     per_rank = other["per_rank"]  # a CPU rank: its host memory is the same memory
     assert other["needed_bytes"] == per_rank["device_total"] + per_rank["host_total"]
+    # ZeRO++: the formula holds hpZ's secondary shards and the quantized rows.
+    spec["engine"] = {
+        "stage": 3,
+        "hierarchical_partition": True,
+        "ranks_per_node": 1,
+        "quantized_weights": True,
+        "quantized_gradients": "int8",
+    }
+    zpp = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
+    per_rank = zpp["per_rank"]
+    assert zpp["peak"] is None and "model states, activations" in zpp["message"]
+    assert per_rank["secondary_params"] > 0 and per_rank["quantization_scratch"] > 0
+    assert zpp["needed_bytes"] == per_rank["device_total"] + per_rank["host_total"]
 
 
 def test_submission_id_makes_submission_idempotent_under_a_burst(harness):

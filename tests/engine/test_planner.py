@@ -406,6 +406,10 @@ def test_cli_recommend(capsys):
         (["--gpt-layers", "2", "--gpt-dim", "64", "--gpt-heads", "4"] + ["--mp", "8"], "--mp"),
         (["--params", "1e9", "--recommend", "--ranks", "8"], "--devices-per-node"),
         (["--dp", "2", "--stage", "1"], "--params"),
+        (["--params", "1e9", "--dp", "2", "--stage", "2", "--quantized-weights"], "--quantized-w"),
+        (["--params", "1e9", "--dp", "4", "--stage", "3", "--hierarchical-partition"], "--hier"),
+        (["--params", "1e9", "--dp", "4", "--stage", "3", "--ranks-per-node", "3"], "--ranks-per"),
+        (["--params", "1e9", "--dp", "2", "--stage", "1", "--quantized-gradients", "int2"], "--q"),
     ],
 )
 def test_cli_bad_input_exits_2_naming_the_flag(argv, flag, capsys):
@@ -414,6 +418,25 @@ def test_cli_bad_input_exits_2_naming_the_flag(argv, flag, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("zeroservice plan: ") and flag in err and "Traceback" not in err
+
+
+def test_cli_shows_zeropp_bytes_only_when_held(capsys):
+    base = ["plan", "--params", "1e9", "--dp", "4", "--stage", "3", "--precision", "bf16"]
+    assert main(base) == 0
+    assert "hpZ" not in capsys.readouterr().out
+    zpp = ["--quantized-weights", "--quantized-gradients", "int4", "--ranks-per-node", "2"]
+    assert main([*base, *zpp, "--hierarchical-partition", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    # Ψ / L of bf16 parameters.
+    assert got["secondary_params"] == 2 * (10**9 // 2)
+    assert got["quantization_scratch"] > 0
+    assert got["device_total"] == main_total(got)
+
+
+def main_total(p: dict) -> int:
+    """The device total as the sum of its kinds (nothing offloaded)."""
+    kinds = ("model_states", "activations", "comm_buffers", "gathered_params")
+    return sum(p[k] for k in kinds) + p["secondary_params"] + p["quantization_scratch"]
 
 
 def test_cli_unparsable_number_exits_2(capsys):

@@ -11,6 +11,7 @@ import torch
 from tests.engine import zeropp_scenarios as zs
 from zeroservice.config import ConfigError, ZeroConfig
 from zeroservice.launch import run_local
+from zeroservice.planner import MemoryPlan, plan, qwz_scratch
 from zeroservice.quantize import Q_MAX, block_scales, dequantize, packed_bytes, quantize
 
 # -- block quantization ------------------------------------------------------------------
@@ -157,6 +158,7 @@ TRAIN = {
     "baseline": {"ranks_per_node": 2},
     "qwz": {"quantized_weights": True, "ranks_per_node": 2},
     "qgz": {"quantized_gradients": "int8"},
+    "qgz-nodes": {"quantized_gradients": "int4", "ranks_per_node": 2},
     "hpz": {"hierarchical_partition": True, "ranks_per_node": 2},
     "all": {
         "quantized_weights": True,
@@ -300,3 +302,46 @@ def test_bad_switches_are_refused_by_name(fields, name):
 def test_ranks_per_node_must_divide_the_world():
     msg = run_local(zs.engine_error, 2, {"ranks_per_node": 3, "quantized_gradients": "int8"})[0]
     assert msg.startswith("ConfigError: ranks_per_node: 3 does not divide"), msg
+
+
+# -- the planner's ZeRO++ bytes against the engine's memory ledger ------------------------
+
+
+def _planned(r: dict, config: dict) -> MemoryPlan:
+    """The plan of ``config`` for the model ``r`` trained, with C_B its largest unit."""
+    return plan(
+        r["psi_padded"],
+        dp=4,
+        stage=3,
+        precision="fp32",
+        bucket_elements=max(padded for _, padded in r["units"]),
+        quantization_block=BLOCK,
+        **config,
+    )
+
+
+@pytest.mark.parametrize("name", ["hpz", "all"])
+def test_planned_secondary_shards_are_the_ledgers_to_the_byte(name):
+    for r in _train()[name]:
+        assert _planned(r, TRAIN[name]).secondary_params == r["after"]["secondary_peak"]
+
+
+@pytest.mark.parametrize("name", ["qgz", "qgz-nodes"])
+def test_planned_qgz_rows_are_the_ledgers_to_the_byte(name):
+    for r in _train()[name]:
+        planned = _planned(r, TRAIN[name]).quantization_scratch
+        assert planned == r["after"]["quantization_scratch_peak"]
+
+
+@pytest.mark.parametrize("name", ["qwz", "all"])
+def test_planned_qwz_rows_of_the_gathered_peak_are_within_one_percent(name):
+    """qwZ's rows follow the gathered units; the formula's gathered estimate (2Ψ/layers)
+    is its own, so the rows are held against the ledger's gathered peak. With hpZ (all)
+    they live in forward, qgZ's in backward: the larger is the peak."""
+    for r in _train()[name]:
+        rows = qwz_scratch(r["after"]["gathered_peak"] // 4, 4, BLOCK)
+        if name == "all":
+            plain = _planned(r, {**TRAIN[name], "quantized_weights": False})
+            rows = max(rows, plain.quantization_scratch)
+        measured = r["after"]["quantization_scratch_peak"]
+        assert abs(rows - measured) <= measured // 100, (rows, measured)
