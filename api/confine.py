@@ -1,5 +1,6 @@
 """What a tenant's job may name: factories from allowed modules, data under the
-operator's data roots, checkpoints under the tenant's own directory.
+operator's data roots, checkpoints under the tenant's own directory, and objects
+below the tenant's own prefix of the operator's s3 roots.
 
 Each check works on names and paths only: nothing a tenant names is imported, opened
 or created here (see docs/operations.md, "Trust model").
@@ -61,18 +62,29 @@ def checkpoint_path(base: str, job_id: str, sub: str | None) -> str:
 
 
 def check_checkpoint_uri(uri: str, tenant: str, settings: Settings) -> None:
-    """An ``s3://`` checkpoint.dir must lie strictly below ``<s3 root>/<tenant>/`` (the
-    spec's validator already refused empty, ``.`` and ``..`` components)."""
-    root = settings.checkpoint_s3_root
+    """An ``s3://`` checkpoint.dir must lie strictly below ``<s3 root>/<tenant>/``."""
+    _check_tenant_uri(
+        uri, tenant, settings.checkpoint_s3_root, "checkpoint.dir", "ZEROSERVICE_CHECKPOINT_S3_ROOT"
+    )
+
+
+def check_data_uri(uri: str, tenant: str, settings: Settings) -> None:
+    """An ``s3://`` data.path must lie strictly below ``<s3 root>/<tenant>/``."""
+    _check_tenant_uri(uri, tenant, settings.data_s3_root, "data.path", "ZEROSERVICE_DATA_S3_ROOT")
+
+
+def _check_tenant_uri(uri: str, tenant: str, root: str, field: str, env: str) -> None:
+    """``uri`` must lie strictly below ``<root>/<tenant>/`` (the spec's validators already
+    refused empty, ``.`` and ``..`` components); no root: no object storage at all."""
     if not root:
         raise Refused(
-            f"checkpoint.dir: {uri[:64]!r}: this service keeps no checkpoints on object "
-            "storage for tenants (ZEROSERVICE_CHECKPOINT_S3_ROOT is not set)"
+            f"{field}: {uri[:64]!r}: this service offers tenants no object storage here "
+            f"({env} is not set)"
         )
     own = f"{location(root) / tenant}/"
     if not uri.startswith(own) or uri == own:
         raise Refused(
-            f"checkpoint.dir: {uri[:64]!r} is not under this tenant's object-storage prefix {own}"
+            f"{field}: {uri[:64]!r} is not under this tenant's object-storage prefix {own}"
         )
 
 
@@ -106,7 +118,9 @@ def confine(spec: JobSpec, tenant: str, settings: Settings) -> JobSpec:
     if spec.checkpoint.dir is not None and spec.checkpoint.dir.startswith(S3_SCHEME):
         check_checkpoint_uri(spec.checkpoint.dir, tenant, settings)
     update: dict = {"tracking": confine_tracking(spec.tracking, tenant, settings)}
-    if spec.data.path is not None:
+    if spec.data.path is not None and spec.data.path.startswith(S3_SCHEME):
+        check_data_uri(spec.data.path, tenant, settings)
+    elif spec.data.path is not None:
         path = resolve_data_path(spec.data.path, tenant, settings)
         update["data"] = spec.data.model_copy(update={"path": path})
     return spec.model_copy(update=update)

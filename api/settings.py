@@ -62,6 +62,9 @@ class Settings:
     data_roots: tuple[str, ...] = ()
     """Directories a tenant's ``data.path`` must resolve under (``{tenant}`` is replaced
     by the tenant's name); default: ``<data_dir>/data/{tenant}``."""
+    data_s3_root: str = ""
+    """An ``s3://bucket/prefix`` under which a tenant may name ``data.path`` as
+    ``s3://bucket/prefix/<tenant>/...``; empty: tenants may name no s3 object."""
     plan_timeout_s: float = 120.0
     """How long building a factory or transformers model for its plan may take."""
     plan_memory_gib: float = 4.0
@@ -134,6 +137,8 @@ class Settings:
             kwargs["model_factories"] = _listed(env["ZEROSERVICE_MODEL_FACTORIES"], ",")
         if "ZEROSERVICE_DATA_ROOTS" in env:
             kwargs["data_roots"] = _listed(env["ZEROSERVICE_DATA_ROOTS"], os.pathsep)
+        if "ZEROSERVICE_DATA_S3_ROOT" in env:
+            kwargs["data_s3_root"] = env["ZEROSERVICE_DATA_S3_ROOT"]
         if env.get("ZEROSERVICE_MLFLOW_TRACKING_URI"):
             kwargs["mlflow_tracking_uri"] = env["ZEROSERVICE_MLFLOW_TRACKING_URI"]
         if "ZEROSERVICE_MLFLOW_URIS" in env:

@@ -5,3 +5,5 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 # Stage 3's debug check: every gather confirms that all ranks fetch the same unit.
 os.environ.setdefault("ZEROSERVICE_CHECK_GATHERS", "1")
+
+from tests.s3 import s3_server  # noqa: E402, F401 (the fixture, for every test module)

@@ -23,6 +23,11 @@ _SUB_DIR = re.compile(r"^[\w.\-]+(/[\w.\-]+)*$", re.ASCII)
 S3_SCHEME = "s3://"
 
 
+def _plain_relative(path: str) -> bool:
+    """``a/b/c`` of letters, digits and ``_ . -``: no empty, ``.`` or ``..`` component."""
+    return bool(_SUB_DIR.match(path)) and not any(p in ("", ".", "..") for p in path.split("/"))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(
         extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
@@ -144,7 +149,9 @@ class DataSpec(_Strict):
     """synthetic, text or tokens."""
     path: str | None = Field(None, min_length=1, max_length=4096)
     """File to read (text and tokens), under the service's data roots (a relative path
-    from the first); readable by every worker."""
+    from the first); readable by every worker. Or an object ``s3://bucket/key/...``
+    below the tenant's own prefix in the operator's ``ZEROSERVICE_DATA_S3_ROOT``
+    (checked by the control plane), read in byte ranges."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Id width of a tokens file."""
     seed: int = Field(0, ge=0, le=2**63 - 1)
@@ -156,6 +163,12 @@ class DataSpec(_Strict):
             raise ValueError(f"data.path: required for data of kind {self.kind!r}")
         if self.kind == "synthetic" and self.path:
             raise ValueError("data.path: synthetic data reads no file")
+        uri = self.path or ""
+        if uri.startswith(S3_SCHEME) and not _plain_relative(uri.removeprefix(S3_SCHEME)):
+            raise ValueError(
+                f"data.path: {uri[:64]!r} is not an s3://bucket/key of letters, digits, "
+                "_ . - separated by / (no '..')"
+            )
         return self
 
 
@@ -231,9 +244,7 @@ class CheckpointSpec(_Strict):
     def _sub_directory(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        relative = value.removeprefix(S3_SCHEME)
-        parts = relative.split("/")
-        if not _SUB_DIR.match(relative) or any(p in ("", ".", "..") for p in parts):
+        if not _plain_relative(value.removeprefix(S3_SCHEME)):
             raise ValueError(
                 f"checkpoint.dir: {value[:64]!r} is not a relative sub-directory "
                 "(letters, digits, _ . - separated by /, no '..') nor an s3://bucket/prefix"

@@ -1,15 +1,20 @@
-"""Datasets that need no download: a synthetic token stream and byte-level text files.
+"""Datasets that need no download: a synthetic token stream, byte-level text files and
+pre-tokenised id files, on local disk or in object storage (``s3://bucket/key``).
 
 Every sample is a pure function of its index, so any rank (and any reference run)
-can produce exactly the batch another rank would see at a given step.
+can produce exactly the batch another rank would see at a given step. An object is
+read through checkpoint/storage.py's storage: a text object whole, a token object one
+ranged GET per sample (never downloaded whole).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from .checkpoint.storage import Location, Reader, is_uri, location, storage_for
 
 
 class TokenDataset(Protocol):
@@ -54,7 +59,7 @@ class ByteText:
     vocab_size = 256
 
     def __init__(self, path: str | Path, seq_len: int, seed: int = 0):
-        raw = Path(path).read_bytes()
+        raw = _read_bytes(path)
         if len(raw) < seq_len + 2:
             raise ValueError(
                 f"{path}: {len(raw)} bytes is too short for seq_len {seq_len} (need {seq_len + 2})"
@@ -95,7 +100,7 @@ class TokenFile:
 
         if dtype not in ("uint16", "uint32"):
             raise ValueError(f"dtype: {dtype!r} is not uint16 or uint32")
-        size = Path(path).stat().st_size
+        size = _size(path)
         width = 2 if dtype == "uint16" else 4
         if size % width:
             raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} ids")
@@ -104,8 +109,13 @@ class TokenFile:
                 f"{path}: {size // width} tokens is too short for seq_len {seq_len} "
                 f"(need {seq_len + 2})"
             )
-        self.ids = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
-        self.path, self.seq_len, self.vocab_size, self.seed = Path(path), seq_len, vocab_size, seed
+        ids = np.dtype(dtype).newbyteorder("<")
+        self.ids: Any = (
+            _ObjectIds(location(path), ids, size // width)
+            if is_uri(path)
+            else np.memmap(path, dtype=ids, mode="r")
+        )
+        self.path, self.seq_len, self.vocab_size, self.seed = path, seq_len, vocab_size, seed
 
     def sample(self, index: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -117,3 +127,43 @@ class TokenFile:
                 f"({self.vocab_size})"
             )
         return row
+
+
+def _size(path: str | Path) -> int:
+    """Bytes of a file or an object; FileNotFoundError naming it when there is none."""
+    loc = location(path)
+    size = storage_for(loc).size(loc)
+    if size is None:
+        raise FileNotFoundError(f"{path}: no such {'object' if is_uri(path) else 'file'}")
+    return size
+
+
+def _read_bytes(path: str | Path) -> bytes:
+    _size(path)
+    loc = location(path)
+    return storage_for(loc).read_bytes(loc)
+
+
+class _ObjectIds:
+    """The ids of a token object, sliced as a memory map is: a slice is one ranged GET
+    of exactly its bytes."""
+
+    def __init__(self, loc: Location, dtype: Any, length: int):
+        self.loc, self.dtype, self.length = loc, dtype, length
+        self._reader: Reader | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, window: slice) -> Any:
+        import numpy as np
+
+        start, stop, step = window.indices(self.length)
+        if step != 1:
+            raise ValueError("token objects are read in contiguous windows")
+        if self._reader is None:
+            self._reader = storage_for(self.loc).open_read(self.loc)
+        width = self.dtype.itemsize
+        self._reader.seek(start * width)
+        data = self._reader.read((stop - start) * width)
+        return np.frombuffer(data, dtype=self.dtype)

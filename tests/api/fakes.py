@@ -70,6 +70,7 @@ class FakeBackend:
             self.used += cpus
             self.jobs[job_id] = {
                 "cpus": cpus,
+                "spec": spec,
                 "status": {
                     "status": "starting" if restarts is None else "resizing",
                     "reason": "placing" if restarts is None else "supervisor_lost",

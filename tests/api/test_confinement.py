@@ -250,6 +250,47 @@ def test_object_storage_checkpoints_are_refused_without_an_s3_root(harness):
     assert "ZEROSERVICE_CHECKPOINT_S3_ROOT is not set" in r.text
 
 
+def test_object_storage_data_stays_under_the_tenants_prefix(database_url, tmp_path):
+    """With ZEROSERVICE_DATA_S3_ROOT a tenant may read data from an s3 object below its
+    own sub-prefix, and nowhere else; without it, from none."""
+    s3_root = "s3://zs-data/corpora"
+    h = Harness(database_url, tmp_path / "data", data_s3_root=s3_root)
+    try:
+        alice = h.headers(h.tenant_token("alice"))
+        own = f"{s3_root}/alice/web/tokens.bin"
+        r = h.client.post("/v1/jobs", json={"spec": _data(own)}, headers=alice)
+        assert r.status_code == 201, r.text
+        refused = [
+            f"{s3_root}/bob/web/tokens.bin",
+            f"{s3_root}/alice2/x.bin",
+            f"{s3_root}/alice",
+            "s3://zs-data/other/alice/x.bin",
+            "s3://zs-checkpoints/corpora/alice/x.bin",
+        ]
+        for uri in refused:
+            r = h.client.post("/v1/jobs", json={"spec": _data(uri)}, headers=alice)
+            assert r.status_code == 422, (uri, r.text)
+            assert "data.path" in r.text and f"{s3_root}/alice/" in r.text, r.text
+        for uri in [f"{s3_root}/alice/../bob/x", f"{s3_root}/alice//x", "s3://", "s3://b/./x"]:
+            r = h.client.post("/v1/jobs", json={"spec": _data(uri)}, headers=alice)
+            assert r.status_code == 422 and "data.path" in r.text, (uri, r.text)
+        h.tick()
+        (launched,) = h.backend.jobs.values()
+        assert launched["spec"].data.path == own  # as named: nothing resolves an object
+    finally:
+        h.client.close()
+        h.service.engine.dispose()
+
+
+def test_object_storage_data_is_refused_without_an_s3_root(harness):
+    alice = harness.headers(harness.tenant_token("alice"))
+    r = harness.client.post(
+        "/v1/jobs", json={"spec": _data("s3://zs-data/corpora/alice/x.bin")}, headers=alice
+    )
+    assert r.status_code == 422, r.text
+    assert "data.path" in r.text and "ZEROSERVICE_DATA_S3_ROOT is not set" in r.text
+
+
 def test_an_s3_checkpoint_root_places_each_tenants_jobs_under_its_prefix(database_url, tmp_path):
     h = Harness(database_url, tmp_path / "data", checkpoint_root="s3://zs-bucket/all")
     try:

@@ -1,4 +1,5 @@
-"""Where checkpoint bytes live: a local directory or an object store, behind one interface.
+"""Where checkpoint bytes (and training data, data.py) live: a local directory or an object
+store, behind one interface.
 
 [Note: storage]
 Everything checkpoint/ reads or writes goes through a ``Storage``: write an object
