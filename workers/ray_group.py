@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,18 +133,38 @@ class RayWorkerGroup:
         self._pending = {getattr(a, method).remote(*args): r for r, a in enumerate(self.actors)}
 
     def wait(self, timeout: float) -> dict[int, Any]:
-        pending = list(self._pending)
-        done, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        deadline = time.monotonic() + timeout
         out: dict[int, Any] = {}
-        for ref in done:
-            rank = self._pending.pop(ref)
-            try:
-                out[rank] = ray.get(ref)
-            except RayActorError as exc:
-                out[rank] = RankDied(rank, short(exc))
-            except RayTaskError as exc:
-                out[rank] = RankError(rank, short(exc))
+        pending = list(self._pending)
+        while pending:
+            left = max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                break
+            failed = False
+            for ref in ready:
+                rank = self._pending.pop(ref)
+                out[rank] = self._answer(rank, ref)
+                failed = failed or isinstance(out[rank], RankDied | RankError)
+            if failed:  # see WorkerGroup.wait: the others are collected as they stand
+                ready, _ = (
+                    ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+                )
+                for ref in ready:
+                    rank = self._pending.pop(ref)
+                    out[rank] = self._answer(rank, ref)
+                break
         return out
+
+    @staticmethod
+    def _answer(rank: int, ref: Any) -> Any:
+        """A finished call's result, or the RankDied / RankError it amounts to."""
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:
+            return RankDied(rank, short(exc))
+        except RayTaskError as exc:
+            return RankError(rank, short(exc))
 
     def progress(self, ranks: list[int], timeout: float) -> dict[int, RankProgress | None]:
         refs = {r: self.actors[r].progress.remote() for r in ranks}

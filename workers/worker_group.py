@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -62,7 +62,10 @@ class WorkerGroup(Protocol):
 
     def wait(self, timeout: float) -> dict[int, Any]:
         """The ranks whose call finished within ``timeout`` (each reported once): the
-        result, or a ``RankDied`` / ``RankError`` instance."""
+        result, or a ``RankDied`` / ``RankError`` instance. A failed call ends the wait
+        at once: the others' calls may be blocked on the failed rank until they are
+        interrupted, and a lost rank must be known the moment it is lost (the recovery
+        time is counted from the kill)."""
 
     def progress(self, ranks: list[int], timeout: float) -> dict[int, RankProgress | None]:
         """Each rank's progress; None for a rank that did not answer in time."""
@@ -174,7 +177,7 @@ class InProcessGroup:
         }
 
     def wait(self, timeout: float) -> dict[int, Any]:
-        done, _ = wait_futures(list(self._pending), timeout=timeout)
+        done, _ = wait_futures(list(self._pending), timeout=timeout, return_when=FIRST_EXCEPTION)
         out: dict[int, Any] = {}
         for future in done:
             rank = self._pending.pop(future)

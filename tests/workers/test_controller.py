@@ -4,6 +4,8 @@ a stall, a training error, a failed start, cancellation, and the restart budget.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tests.workers.jobs import tiny_job
@@ -22,6 +24,7 @@ from workers.job_states import (
     replacing_supervisor,
 )
 from workers.state import TRANSITIONS, IllegalTransition, JobState, check_transition
+from workers.worker_group import RankDied
 
 
 def _controller(spec, pool):
@@ -381,6 +384,22 @@ def test_a_survivor_blocked_on_the_lost_rank_is_interrupted_not_waited_for():
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 1
     assert sorted(ctl.record.losses) == list(range(1, 13))
+
+
+def test_a_lost_rank_ends_the_wait_at_once_while_the_others_are_blocked():
+    """WorkerGroup.wait returns the moment a call fails: the survivors' calls may be
+    blocked on the lost rank until they are interrupted, and waiting for them (or for
+    the watcher's poll to run out) would be counted in the time to recover."""
+    script = Script(kill={(1, 1, 1)}, stuck={(1, 0, 1)})
+    pool = scripted_pool(script, capacity=2)
+    group = pool.start(pool.place(2, 2, 1.0), 0)
+    group.begin("train", 1)
+    ends_by_itself = threading.Timer(5.0, script.release.set)  # rank 0's call, later
+    ends_by_itself.start()
+    answers = group.wait(60.0)
+    ends_by_itself.cancel()
+    assert list(answers) == [1] and isinstance(answers[1], RankDied), answers
+    group.shutdown(clean=False)
 
 
 def test_a_lost_rank_is_replaced_at_the_next_step_boundary():
