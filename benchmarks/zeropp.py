@@ -6,10 +6,11 @@ gradient collectives received on rank 0 (see [Note: bytes by link] in zeroservic
 in units of Psi fp16 (bf16) bytes, i.e. 2 Psi bytes.
 
     python -m benchmarks.zeropp --model small --steps 3 --warmup 1
-    python -m benchmarks.zeropp --convergence --model tiny --seeds 3 --conv-steps 100
+    python -m benchmarks.zeropp --convergence --model small --seeds 3 --conv-steps 300
 
-``--convergence`` trains the unquantized run and the run with all three switches from
-the same seeds and prints each seed's final loss and their relative difference.
+``--convergence`` trains the unquantized run and the run with all three switches (or
+``--conv-row``'s) from the same seeds and prints each seed's final loss and their
+relative difference.
 Prints a table and writes JSON to benchmarks/results/.
 """
 
@@ -110,12 +111,14 @@ def run_row(model_name: str, switches: dict, steps: int, warmup: int) -> dict:
     }
 
 
-def run_convergence(model_name: str, seed: int, steps: int) -> dict[str, list[float]]:
-    """In each rank: the baseline and the run with all three, from the same seed."""
+def run_convergence(
+    model_name: str, seed: int, steps: int, row: str = "all three"
+) -> dict[str, list[float]]:
+    """In each rank: the baseline and the run with ``row``'s switches, from the same seed."""
     cfg = MODELS[model_name]
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=seed)
     out = {}
-    for name in ("baseline", "all three"):
+    for name in ("baseline", row):
         engine = _engine(model_name, ROWS[name], seed)
         out[name] = [_step(engine, data, step) for step in range(steps)]
         engine.close()
@@ -141,13 +144,13 @@ def _table(args) -> dict:
 
 def _convergence(args, save) -> dict:
     out: dict[int, dict] = {}
-    for seed in range(args.seeds):
-        losses = run_local(run_convergence, WORLD, args.model, seed, args.conv_steps)[0]
-        b, q = losses["baseline"][-1], losses["all three"][-1]
+    row = args.conv_row
+    for seed in args.seed_list or range(args.seeds):
+        losses = run_local(run_convergence, WORLD, args.model, seed, args.conv_steps, row)[0]
+        b, q = losses["baseline"][-1], losses[row][-1]
         out[seed] = {**losses, "relative": (q - b) / b}
         print(
-            f"seed {seed}: baseline {b:.4f}  all three {q:.4f}  "
-            f"difference {100 * (q - b) / b:+.2f}%",
+            f"seed {seed}: baseline {b:.4f}  {row} {q:.4f}  difference {100 * (q - b) / b:+.2f}%",
             flush=True,
         )
         save(out)  # each seed as it finishes
@@ -162,10 +165,14 @@ def main() -> None:
     p.add_argument("--convergence", action="store_true")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--conv-steps", type=int, default=300)
+    p.add_argument("--conv-row", default="all three", choices=sorted(ROWS))
+    p.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of --seeds")
     args = p.parse_args()
     results: dict = {"world": WORLD, "ranks_per_node": RANKS_PER_NODE, "args": vars(args)}
     if args.convergence:
         name = f"zeropp-convergence-{args.model}-{args.conv_steps}"
+        if args.conv_row != "all three":
+            name += "-" + "".join(c for c in args.conv_row if c.isalnum())
     else:
         name = f"zeropp-{args.model}"
     path = Path(__file__).parent / "results" / f"{name}.json"
