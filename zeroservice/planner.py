@@ -195,6 +195,13 @@ def plan(
 ) -> MemoryPlan:
     """Bytes per rank of a ZeRO configuration, by kind. See [Note: memory plan]."""
     spec = describe(model)
+    if redundancy not in ("none", "host-copy"):
+        raise PlanError(f"redundancy: {redundancy!r} is not 'none' or 'host-copy'")
+    _check_int("dp", dp, 1)
+    _check_int("mp", mp, 1)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+    _check_precision(precision)
     _check_zeropp(
         stage,
         dp,
@@ -204,13 +211,6 @@ def plan(
         ranks_per_node,
         quantization_block,
     )
-    if redundancy not in ("none", "host-copy"):
-        raise PlanError(f"redundancy: {redundancy!r} is not 'none' or 'host-copy'")
-    _check_int("dp", dp, 1)
-    _check_int("mp", mp, 1)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
-    _check_precision(precision)
     _check_int("optimizer_bytes", optimizer_bytes, 0)
     if bucket_elements is not None:
         _check_int("bucket_elements", bucket_elements, 1)
@@ -332,6 +332,8 @@ def _check_zeropp(
         ("quantized_weights", quantized_weights),
         ("hierarchical_partition", hierarchical_partition),
     ):
+        if not isinstance(on, bool):
+            raise PlanError(f"{name}: expected true or false, got {on!r}")
         if on and stage != 3:
             raise PlanError(f"{name}: needs stage 3; stage is {stage}")
     if quantized_gradients not in ("none", *BITS):

@@ -162,6 +162,14 @@ def test_activation_formula():
         (dict(dp=2, stage=1, micro_batch=1, seq_len=64), "seq_len"),  # GPT: 32 positions
         (dict(dp=2, stage=1, partition_activations=True), "partition_activations"),
         (dict(dp=2.0, stage=1), "dp"),
+        (dict(dp="2", stage=3, ranks_per_node=2), "dp"),
+        (dict(dp=2, stage=3, quantized_weights=1), "quantized_weights"),
+        (dict(dp=2, stage=2, hierarchical_partition=True, ranks_per_node=2), "hierarchical_p"),
+        (dict(dp=2, stage=3, hierarchical_partition=True), "hierarchical_partition"),
+        (dict(dp=2, stage=0, quantized_gradients="int8"), "quantized_gradients"),
+        (dict(dp=2, stage=1, quantized_gradients="int2"), "quantized_gradients"),
+        (dict(dp=4, stage=1, ranks_per_node=3), "ranks_per_node"),
+        (dict(dp=2, stage=1, quantization_block=4), "quantization_block"),
     ],
 )
 def test_invalid_input_names_the_field(kwargs, field):
