@@ -164,7 +164,10 @@ def test_activation_formula():
         (dict(dp=2.0, stage=1), "dp"),
         (dict(dp="2", stage=3, ranks_per_node=2), "dp"),
         (dict(dp=2, stage=3, quantized_weights=1), "quantized_weights"),
-        (dict(dp=2, stage=2, hierarchical_partition=True, ranks_per_node=2), "hierarchical_p"),
+        (
+            dict(dp=2, stage=2, hierarchical_partition=True, ranks_per_node=2),
+            "hierarchical_partition",
+        ),
         (dict(dp=2, stage=3, hierarchical_partition=True), "hierarchical_partition"),
         (dict(dp=2, stage=0, quantized_gradients="int8"), "quantized_gradients"),
         (dict(dp=2, stage=1, quantized_gradients="int2"), "quantized_gradients"),
