@@ -173,3 +173,15 @@ def test_object_paths_join_like_paths():
     assert p.name == "b" and str(p.parent) == "s3://bucket/a" and p.key == "bucket/a/b"
     with pytest.raises(ValueError):
         ObjectPath("s3://")
+
+
+def test_a_changed_endpoint_reaches_the_new_server(monkeypatch):
+    pytest.importorskip("s3fs")
+    loc = ObjectPath("s3://bucket/key")
+    monkeypatch.setenv(ENDPOINT_ENV, "http://127.0.0.1:1")
+    first = storage_for(loc)
+    monkeypatch.setenv(ENDPOINT_ENV, "http://127.0.0.1:2")
+    second = storage_for(loc)
+    assert first.fs.endpoint_url == "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    assert second.fs.endpoint_url == "http://127.0.0.1:2"  # type: ignore[attr-defined]
+    assert storage_for(loc) is second  # one client per endpoint, not one per call

@@ -302,16 +302,19 @@ class FsspecStorage(Storage):
 
 
 _LOCAL = LocalStorage()
-_REMOTE: dict[str, FsspecStorage] = {}
+_REMOTE: dict[tuple[str, str | None], FsspecStorage] = {}
 
 
 def storage_for(loc: Location) -> Storage:
-    """The storage holding ``loc`` (one fsspec filesystem per scheme and process)."""
+    """The storage holding ``loc``: one fsspec filesystem per scheme and endpoint in a
+    process, so a changed ``ZEROSERVICE_S3_ENDPOINT_URL`` reaches the new endpoint
+    instead of a cached client of the old one."""
     if not isinstance(loc, ObjectPath):
         return _LOCAL
-    if loc.scheme not in _REMOTE:
-        _REMOTE[loc.scheme] = FsspecStorage(loc.scheme)
-    return _REMOTE[loc.scheme]
+    key = (loc.scheme, os.environ.get(ENDPOINT_ENV))
+    if key not in _REMOTE:
+        _REMOTE[key] = FsspecStorage(loc.scheme)
+    return _REMOTE[key]
 
 
 def has_entries(root: Where) -> bool:
