@@ -44,7 +44,7 @@ from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
 from zeroservice.memory import process_status_kib
 from zeroservice.models import GPT, GPTConfig
-from zeroservice.peak import PeakConfig, predict_peak
+from zeroservice.peak import PeakConfig, native_bf16_matmul, predict_peak
 from zeroservice.tensor_parallel import MPGroup
 
 WORLD = 2
@@ -89,7 +89,9 @@ class Case:
             out["offload_optimizer"] = True
         return out
 
-    def peak_config(self) -> PeakConfig:
+    def peak_config(self, native_bf16: bool | None = None) -> PeakConfig:
+        """The prediction's input; ``native_bf16``: as for ``PeakConfig`` (None: this
+        host)."""
         cfg, batch = SHAPES[self.shape]
         return PeakConfig(
             cfg,
@@ -102,6 +104,7 @@ class Case:
             partition_activations=self.checkpointing and self.mp > 1,
             cpu_offload_activations=self.checkpointing and self.offload,
             offload_optimizer=self.offload,
+            native_bf16=native_bf16,
         )
 
 
@@ -223,13 +226,17 @@ def run_case(case: Case) -> dict:
         "measured_phase": worst["peak_phase"],
         "ranks": ranks,
         "seconds": time.time() - t0,
+        "native_bf16": native_bf16_matmul(),  # the ranks ran on this host
     }
     return score(row)
 
 
 def score(row: dict) -> dict:
-    """Add the prediction (and its error) to a row of measurements."""
-    predicted = predict_peak(Case(**row["case"]).peak_config())
+    """Add the prediction (and its error) to a row of measurements, for the host that
+    measured it (rows recorded before ``native_bf16`` was kept ran on a CPU without
+    native bf16 products)."""
+    native = row.setdefault("native_bf16", False)
+    predicted = predict_peak(Case(**row["case"]).peak_config(native_bf16=native))
     row["predicted_bytes"] = predicted.peak
     row["predicted_phase"] = predicted.phase
     row["predicted"] = predicted.as_dict()

@@ -40,7 +40,16 @@ as the units staged in them write: a page is resident once written; pieces of an
 oversized unit at stage 3) and the ring's receive scratch (min(largest shard, C_B /
 N_d) elements) follow the engine's sizes.
 
-Nothing here is fitted to a measurement, and no allocator term is added: with
+One term is a measured constant, not a count of our tensors: on a CPU whose oneDNN runs
+bf16 matrix products natively (AVX512-BF16 or AMX), each distinct product shape keeps a
+compiled kernel and its buffers resident for the life of the process, about 0.58-0.71
+MiB per shape on an AMD EPYC with AVX512-BF16 (fp32 products, and bf16 products on a CPU
+without those instructions, keep none). The reference GPT's step multiplies in
+``BF16_MATMUL_SHAPES`` shapes whatever its depth (layers share them), so a bf16 rank on
+such a CPU holds ``BF16_MATMUL_SHAPES x BF16_KERNEL_BYTES`` from its first step on
+(``PeakConfig.native_bf16``; ``None`` asks this host: ``native_bf16_matmul``).
+
+Nothing else is fitted to a measurement, and no allocator term is added: with
 ``MALLOC_MMAP_THRESHOLD_=131072`` glibc maps every block above 128 KiB on its own and
 unmaps it when freed, so RSS follows the tensors. Measured against this prediction
 (benchmarks/planner_oracle.py, docs/planner.md) a resident excess the ledger does not
@@ -58,6 +67,31 @@ from .memory import PARAM_BYTES, model_state_kinds
 if TYPE_CHECKING:
     from .models.gpt import GPTConfig
     from .units import Budgets
+
+BF16_MATMUL_SHAPES = 15
+"""Distinct matrix-product shapes in one step of the reference GPT: five linear maps
+(qkv, attention's projection, fc, the MLP's projection, the head), each with a forward
+product and two in backward (the input's and the weight's gradient)."""
+BF16_KERNEL_BYTES = 3 * 2**18
+"""Resident bytes per bf16 product shape on a CPU with native bf16 kernels: 0.75 MiB,
+above the 0.58-0.71 MiB measured per shape (GPTs of dim 96-384, and 90 shapes of one
+linear map each) on an AMD EPYC with AVX512-BF16."""
+
+
+def native_bf16_matmul() -> bool:
+    """Whether this host's torch multiplies bf16 matrices with oneDNN's native kernels
+    (AVX512-BF16 or AMX, oneDNN enabled and not held below them by ONEDNN_MAX_CPU_ISA)."""
+    import os
+
+    import torch
+
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if isa and isa != "ALL" and not any(k in isa for k in ("BF16", "AMX", "AVX10")):
+        return False
+    cpu = torch.cpu
+    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
 
 
 @dataclass(frozen=True)
@@ -79,6 +113,9 @@ class PeakConfig:
     optimizer_bytes: int = 8
     bucket_elements: int | None = None
     prefetch_elements: int | None = None
+    native_bf16: bool | None = None
+    """Whether the rank's CPU keeps bf16 kernels resident (see [Note: peak model]);
+    ``None``: as this host does (``native_bf16_matmul``)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -118,6 +155,9 @@ class PeakPrediction:
     ``gathered_peak``)."""
     arena: int
     """The checkpoint arena (the ledger's ``activation_arena``)."""
+    kernels: int = 0
+    """bf16 matrix-product kernels a CPU with native bf16 keeps resident (not in the
+    ledger: they are the library's, not the engine's)."""
     phases: dict[str, int] = field(default_factory=dict)
     """Total bytes at each moment."""
     breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -273,6 +313,8 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     arena = cfg.n_layer * checkpoint * p if c.activation_checkpointing else 0
     # Checkpointed, the blocks' tensors are gone after each block; the arena holds inputs.
     saved = 0 if c.activation_checkpointing else cfg.n_layer * block
+    native = native_bf16_matmul() if c.native_bf16 is None else c.native_bf16
+    kernels = BF16_MATMUL_SHAPES * BF16_KERNEL_BYTES if native and c.precision == "bf16" else 0
     resident = states + host_grads + written + ring + gathered
     loss_fwd, loss_bwd = _loss_bytes(tokens * v, p, t)
     forward = {
@@ -308,6 +350,9 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
             "gradient staging": borrowed,
         }
     phases["step"] = {"resident": resident + arena, "fp32 gradients": _step_casts(c, units)}
+    if kernels:
+        for moment in phases.values():
+            moment["bf16 kernels"] = kernels
     totals = {k: sum(v.values()) for k, v in phases.items()}
     where = max(totals, key=lambda k: totals[k])
     return PeakPrediction(
@@ -319,6 +364,7 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         ring=ring,
         gathered=gathered,
         arena=arena,
+        kernels=kernels,
         phases=totals,
         breakdown=phases,
     )

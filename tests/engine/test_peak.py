@@ -6,13 +6,23 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.planner_oracle import SHAPES, Case, trials
 from zeroservice import planner
 from zeroservice.construct import deferred_init
 from zeroservice.launch import run_local
 from zeroservice.models import GPT, GPTConfig
-from zeroservice.peak import PeakConfig, _units, gpt_parameters, predict_peak
+from zeroservice.peak import (
+    BF16_KERNEL_BYTES,
+    BF16_MATMUL_SHAPES,
+    PeakConfig,
+    _units,
+    gpt_parameters,
+    native_bf16_matmul,
+    predict_peak,
+)
 
 ODD = GPTConfig(vocab_size=510, seq_len=31, n_layer=3, n_head=3, dim=63, tie_weights=False)
 
@@ -106,3 +116,48 @@ def test_peak_within_ten_percent_of_measured(measured, case):
     for rank in measured[case]:
         error = predicted / rank["peak_bytes"] - 1
         assert abs(error) <= 0.10, (case.name, predicted, rank["peak_bytes"], error)
+
+
+class _Products(TorchDispatchMode):
+    """Records the distinct shapes of the matrix products run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "matmul"):
+            layout = [(tuple(a.shape), a.stride()) for a in args if torch.is_tensor(a)]
+            self.shapes.add((func.__name__, *layout))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "cfg", [ODD, SHAPES["deep"][0], SHAPES["wide"][0], GPTConfig(1000, 24, 4, 5, 80)]
+)
+def test_a_bf16_step_multiplies_in_the_counted_shapes(cfg):
+    """The kernels term counts BF16_MATMUL_SHAPES product shapes (and layouts) per step,
+    whatever the depth, heads or tying: each is a kernel a native-bf16 CPU keeps
+    resident. Dimensions that coincide (256 tokens at dim 256) share some."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(torch.bfloat16)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    products = _Products()
+    with products:
+        model(x, x).backward()
+    assert len(products.shapes) <= BF16_MATMUL_SHAPES, sorted(products.shapes)
+    if len({2 * cfg.seq_len, cfg.dim, 3 * cfg.dim, 4 * cfg.dim, cfg.vocab_size}) == 5:
+        assert len(products.shapes) == BF16_MATMUL_SHAPES
+
+
+def test_bf16_kernels_are_counted_on_a_native_bf16_cpu_only():
+    cfg = SHAPES["deep"][0]
+    for precision, extra in (("bf16", BF16_MATMUL_SHAPES * BF16_KERNEL_BYTES), ("fp32", 0)):
+        on, off = (
+            predict_peak(PeakConfig(cfg, stage=1, dp=2, precision=precision, native_bf16=n))
+            for n in (True, False)
+        )
+        assert on.kernels == extra and off.kernels == 0
+        assert all(on.phases[k] - off.phases[k] == extra for k in on.phases)
+    here = predict_peak(PeakConfig(cfg, stage=1, dp=2, precision="bf16"))
+    assert bool(here.kernels) == native_bf16_matmul()
