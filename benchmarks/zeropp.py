@@ -9,8 +9,8 @@ in units of Psi fp16 (bf16) bytes, i.e. 2 Psi bytes.
     python -m benchmarks.zeropp --convergence --model small --seeds 3 --conv-steps 300
 
 ``--convergence`` trains the unquantized run and the run with all three switches (or
-``--conv-row``'s) from the same seeds and prints each seed's final loss and their
-relative difference.
+``--conv-row``'s, with ``--block``'s quantization block if given) from the same seeds
+and prints each seed's final loss and their relative difference.
 Prints a table and writes JSON to benchmarks/results/.
 """
 
@@ -112,14 +112,18 @@ def run_row(model_name: str, switches: dict, steps: int, warmup: int) -> dict:
 
 
 def run_convergence(
-    model_name: str, seed: int, steps: int, row: str = "all three"
+    model_name: str, seed: int, steps: int, row: str = "all three", block: int | None = None
 ) -> dict[str, list[float]]:
-    """In each rank: the baseline and the run with ``row``'s switches, from the same seed."""
+    """In each rank: the baseline and the run with ``row``'s switches (and quantization
+    ``block``, if given), from the same seed."""
     cfg = MODELS[model_name]
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=seed)
     out = {}
     for name in ("baseline", row):
-        engine = _engine(model_name, ROWS[name], seed)
+        switches = dict(ROWS[name])
+        if block is not None and name != "baseline":
+            switches["quantization_block"] = block
+        engine = _engine(model_name, switches, seed)
         out[name] = [_step(engine, data, step) for step in range(steps)]
         engine.close()
     return out
@@ -146,7 +150,9 @@ def _convergence(args, save) -> dict:
     out: dict[int, dict] = {}
     row = args.conv_row
     for seed in args.seed_list or range(args.seeds):
-        losses = run_local(run_convergence, WORLD, args.model, seed, args.conv_steps, row)[0]
+        losses = run_local(
+            run_convergence, WORLD, args.model, seed, args.conv_steps, row, args.block
+        )[0]
         b, q = losses["baseline"][-1], losses[row][-1]
         out[seed] = {**losses, "relative": (q - b) / b}
         print(
@@ -167,12 +173,17 @@ def main() -> None:
     p.add_argument("--conv-steps", type=int, default=300)
     p.add_argument("--conv-row", default="all three", choices=sorted(ROWS))
     p.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of --seeds")
+    p.add_argument(
+        "--block", type=int, help="the quantized run's quantization_block (default: the engine's)"
+    )
     args = p.parse_args()
     results: dict = {"world": WORLD, "ranks_per_node": RANKS_PER_NODE, "args": vars(args)}
     if args.convergence:
         name = f"zeropp-convergence-{args.model}-{args.conv_steps}"
         if args.conv_row != "all three":
             name += "-" + "".join(c for c in args.conv_row if c.isalnum())
+        if args.block is not None:
+            name += f"-block{args.block}"
     else:
         name = f"zeropp-{args.model}"
     path = Path(__file__).parent / "results" / f"{name}.json"
