@@ -42,12 +42,13 @@ N_d) elements) follow the engine's sizes.
 
 One term is a measured constant, not a count of our tensors: on a CPU whose oneDNN runs
 bf16 matrix products natively (AVX512-BF16 or AMX), each distinct product shape keeps a
-compiled kernel and its buffers resident for the life of the process, about 0.58-0.71
-MiB per shape on an AMD EPYC with AVX512-BF16 (fp32 products, and bf16 products on a CPU
-without those instructions, keep none). The reference GPT's step multiplies in
-``BF16_MATMUL_SHAPES`` shapes whatever its depth (layers share them), so a bf16 rank on
-such a CPU holds ``BF16_MATMUL_SHAPES x BF16_KERNEL_BYTES`` from its first step on
-(``PeakConfig.native_bf16``; ``None`` asks this host: ``native_bf16_matmul``).
+compiled kernel and its buffers resident for the life of the process, 0.55-0.72 MiB
+per shape on an AMD EPYC with AVX512-BF16 (``python -m benchmarks.bf16_kernels``; fp32
+products, and bf16 products on a CPU without those instructions, keep none). The
+reference GPT's step multiplies in ``BF16_MATMUL_SHAPES`` shapes whatever its depth
+(layers share them), so a bf16 rank on such a CPU holds ``BF16_MATMUL_SHAPES x
+BF16_KERNEL_BYTES`` from its first step on (``PeakConfig.native_bf16``; ``None`` asks
+this host: ``native_bf16_matmul``).
 
 Nothing else is fitted to a measurement, and no allocator term is added: with
 ``MALLOC_MMAP_THRESHOLD_=131072`` glibc maps every block above 128 KiB on its own and
@@ -59,6 +60,7 @@ its source is not identified, so it is left out rather than fitted.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,15 +76,13 @@ BF16_MATMUL_SHAPES = 15
 product and two in backward (the input's and the weight's gradient)."""
 BF16_KERNEL_BYTES = 3 * 2**18
 """Resident bytes per bf16 product shape on a CPU with native bf16 kernels: 0.75 MiB,
-above the 0.58-0.71 MiB measured per shape (GPTs of dim 96-384, and 90 shapes of one
-linear map each) on an AMD EPYC with AVX512-BF16."""
+above the 0.55-0.72 MiB measured per shape (benchmarks/bf16_kernels.py: 90 products of
+30 linear maps, and steps of GPTs of dim 96-384) on an AMD EPYC with AVX512-BF16."""
 
 
 def native_bf16_matmul() -> bool:
     """Whether this host's torch multiplies bf16 matrices with oneDNN's native kernels
     (AVX512-BF16 or AMX, oneDNN enabled and not held below them by ONEDNN_MAX_CPU_ISA)."""
-    import os
-
     import torch
 
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
