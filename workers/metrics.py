@@ -161,8 +161,20 @@ class RankMetrics:
         with self.snapshot.lock:
             self.snapshot.data.update(values)
 
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+    def close(self, wait: bool = True) -> None:
+        """Stop the endpoint. The server's loop notices a shutdown only at its next
+        poll (up to 0.5 s): ``wait=False`` leaves that to a daemon thread, so that a
+        rank re-forming its group does not wait for it (the old endpoint may answer
+        one last scrape meanwhile)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+
+        if wait:
+            stop()
+        else:
+            threading.Thread(target=stop, name="metrics-close", daemon=True).start()

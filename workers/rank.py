@@ -261,8 +261,8 @@ class RankWorker:
             self.spec.peak_tflops,
         )
         node_ip = ray.util.get_node_ip_address()
-        if self.metrics is not None:
-            self.metrics.close()
+        if self.metrics is not None:  # the old identity's endpoint; not waited for
+            self.metrics.close(wait=False)
         self.metrics = RankMetrics(
             {
                 "job_id": self.job_id,
