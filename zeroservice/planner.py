@@ -156,7 +156,7 @@ class MemoryPlan:
     host_total: int
     redundancy_host: int = 0
     """``redundancy="host-copy"``: host copies of the fp32 masters and optimizer states,
-    this rank's and its ring neighbour's (one whole copy at stage 0 or with N_d = 1):
+    this rank's and its ring neighbour's (one whole copy at stage 0; none with N_d = 1):
     within 1% of the ledger's ``redundancy_host``, which adds the frozen shards, the
     buffers and each item's 8-byte alignment. Counted in ``host_total``."""
     secondary_params: int = 0
@@ -270,7 +270,7 @@ def plan(
     moved = master + opt if offload_optimizer else 0
     host_states = moved + 4 * shard if offload_optimizer else 0
     model_states = params + grads + master + opt
-    copies = 1 if stage == 0 or dp == 1 else 2
+    copies = 0 if dp == 1 else 1 if stage == 0 else 2
     held = copies * (4 + optimizer_bytes) * shard if redundancy == "host-copy" else 0
     return MemoryPlan(
         stage=stage,

@@ -7,7 +7,8 @@ state and its neighbour's at the same step, so any single lost rank (or any set 
 non-adjacent ones) can be rebuilt by the survivors from memory
 (checkpoint/peers.py) instead of a file. A rank keeps its previous copy until the new
 one is complete, then swaps. Stage 0 keeps whole masters on every rank: each rank's
-copy is the whole state already, and nothing is exchanged.
+copy is the whole state already, and nothing is exchanged. A group of one rank keeps
+no copy: no peer could hold it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class HostCopies:
             self.refresh(state)
 
     def refresh(self, state: ShardedState) -> None:
+        if state.world == 1:
+            # No peer could hold it, and a group that grows takes its own copy at that
+            # boundary (Engine.snapshot_now): a copy now would only cost a step's worth
+            # of copying and the model states' bytes again.
+            self.held = None
+            return
         snapshot = take_copy(state)
         if not state.whole and state.world > 1:
             neighbour = self._exchange(snapshot)

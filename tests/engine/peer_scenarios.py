@@ -132,9 +132,13 @@ def _compare(
     disk = loaded.load_checkpoint(Path(root) / step_dir_name(step))
     ref = captured(loaded)
     start = result.step
+    sent = _ledger(restored, "send")
     losses = _train(restored, spec, range(start, start + more))
     ref_losses = _train(loaded, spec, range(start, start + more))
     return {
+        "held_after": restored.memory_ledger().redundancy_host,
+        "snapshot_after": restored.peer_snapshot() is not None,
+        "sent_after": _ledger(restored, "send") - sent,
         "step": result.step,
         "disk_step": disk.step,
         "path": str(result.path),

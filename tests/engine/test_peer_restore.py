@@ -76,6 +76,25 @@ def test_shrink_restores_exactly_from_peers(tmp_path, stage):
     _assert_planned(results, stage)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_group_of_one_keeps_no_host_copy(tmp_path, stage):
+    """Shrunk to one replica, no peer could hold a copy: the survivor restores exactly,
+    then keeps none and sends none (growing again takes its own copy at that step
+    boundary), and the planner counts none."""
+    store = str(tmp_path / "store")
+    results = run_local(
+        ps.shrink, 2, Spec(stage=stage), 1, [1], str(tmp_path / "ckpt"), store, [3], 3
+    )
+    assert results[1]["left"]
+    (alone,) = [r for r in results if not r["left"]]
+    _assert_restored(alone, 3)
+    assert alone["held_after"] == 0 and not alone["snapshot_after"]
+    assert alone["sent_after"] == 0
+    assert all(row["held"] > 0 for row in alone["ledger"])  # at world 2, every step
+    assert plan(1e6, dp=1, stage=stage, redundancy="host-copy").redundancy_host == 0
+    assert plan(1e6, dp=2, stage=stage, redundancy="host-copy").redundancy_host > 0
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_shrink_restores_frozen_weights_and_buffers(tmp_path, stage):
     store, root = str(tmp_path / "store"), str(tmp_path / "ckpt")
