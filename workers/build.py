@@ -63,13 +63,21 @@ def _factory_model(spec: FactoryModelSpec) -> nn.Module:
     return model
 
 
-def build_model(spec: JobSpec, mp_group) -> tuple[nn.Module, Any]:
-    """The model (built straight into shards at stage 3 for the GPT) and its ``init``."""
+def build_model(spec: JobSpec, mp_group, restoring: bool = False) -> tuple[nn.Module, Any]:
+    """The model (built straight into shards at stage 3 for the GPT) and its ``init``.
+
+    ``restoring``: a checkpoint load or a restore from peers follows, so the GPT is
+    built without initial weights (``zeroservice.RESTORED``); other model kinds, whose
+    construction may read their own weights, are built as usual."""
     model_spec = spec.model
     torch.manual_seed(spec.seed)
     if isinstance(model_spec, GPTModelSpec):
         cfg = model_spec.gpt_config()
         mp = MPGroup(mp_group) if spec.resources.mp > 1 else None
+        if restoring:
+            with zeroservice.deferred_init():
+                model = GPT(cfg, mp)
+            return model, zeroservice.RESTORED
         if spec.zero_config().stage == 3:
             with zeroservice.deferred_init():
                 model = GPT(cfg, mp)

@@ -33,7 +33,9 @@ live too: while the group is below max_dp the chunks are one step long; free roo
 the cluster is taken at once as vacant seats beside the lost ranks' own, a newcomer's
 actor is started on every usable vacant seat while the group trains, and at the first
 step boundary where newcomers are up they join and the others hand them their shards
-(copied at that boundary, so nothing is trained again).
+(copied at that boundary, so nothing is trained again). A re-forming rank builds its
+new engine without initial weights (``zeroservice.RESTORED``; the state arrives from
+the peers or the checkpoint), and a group of one keeps no host copy.
 
     running   lost / stalled, live → resizing (``Regrouping``): drop the lost
               ranks, re-form → running | resizing (restart from the checkpoint)

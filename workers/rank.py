@@ -125,7 +125,7 @@ class RankWorker:
         newest valid checkpoint if there is one, start serving metrics."""
         self._phase = RankPhase.BOOTSTRAP
         self.root = checkpoint_root
-        self._join(master, port, world)
+        self._join(master, port, world, restoring=has_entries(checkpoint_root))
         loaded = self._load_newest()
         return self._ready(world, restarts, node, loaded)
 
@@ -161,7 +161,7 @@ class RankWorker:
             elif dist.is_initialized():
                 dist.destroy_process_group()
             self.rank, self.root = rank, checkpoint_root
-            self._join(master, port, world)
+            self._join(master, port, world, restoring=True)
             assert self.engine is not None
             fallback = ""
             try:
@@ -193,8 +193,9 @@ class RankWorker:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 
-    def _join(self, master: str, port: int, world: int) -> None:
-        """Join the process group as ``self.rank`` and build the model and engine."""
+    def _join(self, master: str, port: int, world: int, restoring: bool) -> None:
+        """Join the process group as ``self.rank`` and build the model and engine
+        (``restoring``: without initial weights, since a load or a restore follows)."""
         spec = self.spec
         use_cuda = spec.resources.gpus_per_rank > 0 and torch.cuda.is_available()
         if use_cuda:
@@ -209,9 +210,12 @@ class RankWorker:
             timeout=datetime.timedelta(seconds=timeout),
         )
         self._rendezvous = f"{master}:{port}"
-        topo = zeroservice.build_topology(spec.resources.mp)
-        self.topo = topo
-        model, init = build_model(spec, topo.mp_group)
+        self.topo = zeroservice.build_topology(spec.resources.mp)
+        self._build(restoring)
+
+    def _build(self, restoring: bool) -> None:
+        spec, topo, use_cuda = self.spec, self.topo, self.use_cuda
+        model, init = build_model(spec, topo.mp_group, restoring)
         if use_cuda and init is None:
             model.cuda()
         tp_groups = {id(x): x for x in _mp_groups(model)}.values()
@@ -231,17 +235,21 @@ class RankWorker:
         return spec.micro_batch * accum * spec.model.seq_len
 
     def _load_newest(self) -> str | None:
-        """Load the newest valid checkpoint under the job's root, if there is one."""
+        """Load the newest valid checkpoint under the job's root, if there is one; with
+        none, an engine built to be restored is built again with initial weights."""
         assert self.engine is not None
         root = self.root
         self.step = 0
-        if not has_entries(root):  # a directory or an s3:// prefix
-            return None
         try:
-            result = self.engine.load_checkpoint(root)
+            result = self.engine.load_checkpoint(root) if has_entries(root) else None
         except Exception as exc:  # every rank raises the same verdict
             if "no complete, valid checkpoint" not in str(exc):
                 raise
+            result = None
+        if result is None:
+            if self.engine.awaiting_state:
+                self.engine.close()
+                self._build(restoring=False)
             return None
         self.step = int(result.client_state.get("step", result.step))
         self.tokens = int(result.client_state.get("tokens", 0))

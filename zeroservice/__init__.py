@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from .config import ConfigError, LossScaleConfig, ScheduleConfig, ZeroConfig
-from .construct import InitSource, deferred_init
+from .construct import RESTORED, InitSource, deferred_init
 from .deepspeed_config import from_deepspeed
 from .engine import Engine, StepReport
 from .memory import MemoryLedger, expected_model_state_bytes
@@ -25,6 +25,7 @@ __all__ = [
     "Engine",
     "LossScaleConfig",
     "MemoryLedger",
+    "RESTORED",
     "ScheduleConfig",
     "StepReport",
     "Topology",

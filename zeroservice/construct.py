@@ -33,7 +33,21 @@ from .flat import FlatUnit, ParamSlot, frozen_key, padded_size
 from .partition import NamedParams
 
 ModuleInit = Callable[[str, nn.Module], None]
-InitSource = str | os.PathLike | ModuleInit | None
+
+
+class Restored:
+    """``init=RESTORED``: the weights are about to be overwritten (a checkpoint load or
+    a restore from peers follows), so a deferred model's parameters are allocated but
+    neither initialised nor broadcast: for a large model that is seconds of random
+    numbers and a whole-model broadcast saved on every restart and live resize. The
+    engine refuses to train or save until the state has arrived."""
+
+    def __repr__(self) -> str:
+        return "zeroservice.RESTORED"
+
+
+RESTORED = Restored()
+InitSource = str | os.PathLike | ModuleInit | Restored | None
 
 
 @contextlib.contextmanager
@@ -259,6 +273,7 @@ def materialize(root: nn.Module, init: InitSource, device: torch.device) -> None
         source.load_buffers(root)
         return
     done: set[int] = set()
+    restored = isinstance(init, Restored)
     for qual, module in root.named_modules():
         own = [p for p in module._parameters.values() if p is not None and p.is_meta]
         own = [p for p in own if id(p) not in done]
@@ -267,6 +282,8 @@ def materialize(root: nn.Module, init: InitSource, device: torch.device) -> None
         for p in own:
             _set_data(p, torch.empty(p.shape, dtype=p.dtype, device=device))
             done.add(id(p))
+        if restored:
+            continue
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()

@@ -144,6 +144,14 @@ class Engine:
                 "init: an initialiser function applies only to a model built under "
                 "zeroservice.deferred_init(); this model already has its weights"
             )
+        restored = isinstance(init, construct.Restored)
+        if restored and not deferred:
+            raise ConfigError(
+                "init: zeroservice.RESTORED applies only to a model built under "
+                "zeroservice.deferred_init(); this model already has its weights"
+            )
+        self.awaiting_state = restored
+        """Built with ``init=RESTORED``: no weights until a load or a restore."""
         shard_rank = self.dp_rank if self.policy.shard_world > 1 else 0
         self.gatherer: ParamGatherer | None = None
         self.units: list[FlatUnit]
@@ -154,6 +162,8 @@ class Engine:
             )
             if isinstance(init, str | os.PathLike):
                 construct.fill_from_file(module, self.units, construct.StateDictFile(init))
+            elif isinstance(init, construct.Restored):
+                pass  # zeroed shards; the state arrives by a load or a restore
             elif deferred:
                 construct.fill_from_init(module, self.units, self.comm, init)
             else:
@@ -169,7 +179,7 @@ class Engine:
             self.units = build_units(
                 self.layout.chunks, dtype, self.policy.shard_world, shard_rank, opt_group
             )
-            self._sync_initial_state(params=not isinstance(init, str | os.PathLike))
+            self._sync_initial_state(params=not (restored or isinstance(init, str | os.PathLike)))
         self.trainable_units = [u for u in self.units if not u.frozen]
         """The prefix of ``units`` that trains (see [Note: frozen units] in flat.py)."""
         assert all(a is b for a, b in zip(self.units, self.trainable_units, strict=False))
@@ -285,6 +295,7 @@ class Engine:
 
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        self._require_state("forward")
         if self.config.broadcast_buffers:
             self._broadcast_buffers()
         if self.gatherer is not None and torch.is_grad_enabled():
@@ -292,6 +303,13 @@ class Engine:
             with torch.autograd.graph.saved_tensors_hooks(g.saved.pack, g.saved.unpack):
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    def _require_state(self, what: str) -> None:
+        if self.awaiting_state:
+            raise RuntimeError(
+                f"{what}: the engine was built with init=zeroservice.RESTORED and holds no "
+                "weights yet; load a checkpoint or restore from peers first"
+            )
 
     def _node_groups(self) -> NodeGroups | None:
         """The two-level topology's groups, when hpZ or qgZ use it (collective)."""
@@ -473,6 +491,7 @@ class Engine:
         from .checkpoint import save_checkpoint
         from .checkpoint.background import save_in_background
 
+        self._require_state("save_checkpoint")
         self.wait_for_save()
         self._saves += 1
         root = self._slice_root(root, must_exist=False)
@@ -525,6 +544,7 @@ class Engine:
         from .checkpoint import CheckpointError
         from .checkpoint.peers import take_copy
 
+        self._require_state("snapshot_now")
         if self.micro_steps:
             raise CheckpointError(
                 f"snapshot_now: {self.micro_steps} micro-batch(es) accumulated since the "
@@ -591,6 +611,7 @@ class Engine:
         if self.gatherer is not None:
             pending += self.gatherer.refresh_persistent()
         comm.wait_all(pending)
+        self.awaiting_state = False
         self.global_steps = counters.global_steps
         self.applied_steps = counters.applied_steps
         if self.scaler is not None and counters.loss_scaler:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import zeroservice
 from tests.checkpoint.scenarios import _train
 from tests.engine.scenarios import Spec, _batches, _model, engine_for
 from zeroservice.checkpoint import PeersIncomplete
@@ -25,14 +26,21 @@ def host(k: int) -> dict:
     return {"redundancy": "host-copy", "redundancy_interval": k}
 
 
-def _engine(spec: Spec, variant: str, **config):
+def _engine(spec: Spec, variant: str, restored: bool = False, **config):
     """``variant`` "frozen": the GPT with its position embedding frozen and a persistent
-    buffer (which ``_tick`` changes every step), so both must come back too."""
-    model = _model(spec)
+    buffer (which ``_tick`` changes every step), so both must come back too.
+    ``restored``: built as a re-forming rank builds it, without initial weights
+    (``zeroservice.RESTORED``)."""
+    if restored:
+        with zeroservice.deferred_init():
+            model = _model(spec)
+    else:
+        model = _model(spec)
     if variant == "frozen":
         model.wpe.requires_grad_(False)
         model.register_buffer("ticks", torch.zeros(5))
-    return engine_for(spec, model=model, **config)
+    init = zeroservice.RESTORED if restored else None
+    return engine_for(spec, model=model, init=init, **config)
 
 
 def _tick(engine) -> None:
@@ -120,12 +128,20 @@ def _compare(
 ) -> dict:
     """Restore from ``held`` on a new engine; load ``step`` from disk on another; both
     train ``more`` steps. Returns the differences and both runs' losses. The RNG is
-    compared except at stage 0, where no copy of a lost rank's generators exists."""
-    restored = _engine(spec, variant, **host(k))
+    compared except at stage 0, where no copy of a lost rank's generators exists, and
+    on a newcomer."""
+    restored = _engine(spec, variant, restored=True, **host(k))
     with torch.no_grad():  # frozen weights too must come from the peers
         for unit in restored.units:
             if unit.frozen:
                 unit.flat.normal_()
+    refused = []
+    x, y = _batches(spec, 0)[0]
+    for call in (lambda: restored(x, y), lambda: restored.save_checkpoint(root + "-never")):
+        try:
+            call()
+        except RuntimeError as exc:
+            refused.append("RESTORED" in str(exc))
     result = restored.restore_from_peers(held)
     mine = captured(restored)
     loaded = _engine(spec, variant, **host(k))
@@ -136,13 +152,16 @@ def _compare(
     losses = _train(restored, spec, range(start, start + more))
     ref_losses = _train(loaded, spec, range(start, start + more))
     return {
+        "refused_before": refused,
         "held_after": restored.memory_ledger().redundancy_host,
         "snapshot_after": restored.peer_snapshot() is not None,
         "sent_after": _ledger(restored, "send") - sent,
         "step": result.step,
         "disk_step": disk.step,
         "path": str(result.path),
-        "diffs": differences(mine, ref, rng=spec.stage != 0),
+        # A newcomer (holding nothing) has no old rank's generators to take: its own
+        # stay as its construction left them, which differs between the two builds.
+        "diffs": differences(mine, ref, rng=spec.stage != 0 and held is not None),
         "ticks": mine["params"]["ticks"].tolist() if "ticks" in mine["params"] else None,
         "frozen_units": len(mine["frozen"]),
         "losses": losses,

@@ -91,9 +91,9 @@ def reference_losses(spec: Spec) -> tuple[list[float], dict[str, torch.Tensor]]:
     return run.losses, run.state
 
 
-def engine_for(spec: Spec, optimizer=None, group=None, model=None, **config_extra):
-    """The spec's engine (on ``model``, default the spec's GPT); ``config_extra``:
-    further ZeroConfig fields."""
+def engine_for(spec: Spec, optimizer=None, group=None, model=None, init=None, **config_extra):
+    """The spec's engine (on ``model``, default the spec's GPT; ``init`` as
+    ``zeroservice.initialize`` takes it); ``config_extra``: further ZeroConfig fields."""
     config = ZeroConfig(
         stage=spec.stage,
         precision=spec.precision,
@@ -111,7 +111,7 @@ def engine_for(spec: Spec, optimizer=None, group=None, model=None, **config_extr
         **config_extra,
     )
     return zeroservice.initialize(
-        model or _model(spec), config, optimizer=optimizer or _adamw(spec), group=group
+        model or _model(spec), config, optimizer=optimizer or _adamw(spec), group=group, init=init
     )
 
 

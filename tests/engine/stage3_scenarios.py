@@ -302,6 +302,16 @@ def error_message(case: str, path: str = "") -> str:
     try:
         if case == "init-fn-on-real-model":
             zeroservice.initialize(GPT(cfg), ZeroConfig(stage=3), opt, init=GPT.initializer(cfg))
+        elif case.startswith("restored-on-real-model-"):
+            stage = int(case.rsplit("-", 1)[1])
+            restored = zeroservice.RESTORED
+            zeroservice.initialize(GPT(cfg), ZeroConfig(stage=stage), opt, init=restored)
+        elif case.startswith("restored-snapshot-"):
+            stage = int(case.rsplit("-", 1)[1])
+            with zeroservice.deferred_init():
+                model = GPT(cfg)
+            config = ZeroConfig(stage=stage, redundancy="host-copy")
+            zeroservice.initialize(model, config, opt, init=zeroservice.RESTORED).snapshot_now()
         elif case in ("file", "file-stage2"):
             with zeroservice.deferred_init():
                 model = GPT(cfg)

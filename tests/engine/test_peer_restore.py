@@ -17,6 +17,10 @@ METADATA_BYTES = 64 * 1024
 
 
 def _assert_restored(r: dict, step: int) -> None:
+    """Restored into an engine built without initial weights (``zeroservice.RESTORED``,
+    which refuses to train or save before), it equals a disk load into an engine built
+    as usual, and trains alike."""
+    assert r["refused_before"] == [True, True]
     assert r["path"] == "<peers>"
     assert r["step"] == r["disk_step"] == step
     assert r["diffs"] == []

@@ -124,6 +124,17 @@ def test_init_function_needs_a_deferred_model():
     assert _error("init-fn-on-real-model").startswith("ConfigError: init:")
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_engine_built_to_be_restored_holds_no_weights_until_it_is(stage):
+    """``init=RESTORED`` skips initialising (and broadcasting) weights that a load
+    will overwrite: only for a deferred model, and nothing reads the weights before.
+    (Restores into such engines are exact: test_peer_restore.py.)"""
+    msg = _error(f"restored-on-real-model-{stage}")
+    assert msg.startswith("ConfigError: init: zeroservice.RESTORED applies only"), msg
+    msg = _error(f"restored-snapshot-{stage}")
+    assert msg.startswith("RuntimeError: snapshot_now: the engine was built with"), msg
+
+
 def test_in_place_write_to_a_gathered_weight_is_refused():
     msg = _error("in-place-weight")
     assert msg.startswith("RuntimeError") and "blocks.0.weight" in msg, msg

@@ -1,0 +1,64 @@
+"""A rank's engine built to be restored, run inside spawned ranks (zeroservice.launch):
+what ``RankWorker`` does when a start or a re-forming group loads a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zeroservice
+from workers.rank import RankWorker
+
+
+def _worker(spec_json: str, root: str, restoring: bool) -> RankWorker:
+    worker = RankWorker("job", dist.get_rank(), spec_json)
+    worker.root, worker.use_cuda = root, False
+    worker.topo = zeroservice.build_topology(1)
+    worker._build(restoring)
+    return worker
+
+
+def _weights(worker: RankWorker) -> dict[str, torch.Tensor]:
+    assert worker.engine is not None
+    return {k: v.clone() for k, v in worker.engine.state_dict().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def load_or_initialise(spec_json: str, root: str, saved: bool) -> dict:
+    """A worker built with ``restoring`` loads the newest checkpoint under ``root``
+    (``saved``: one was written by a worker built as usual, after two steps); with
+    none (``root`` holds only a damaged step directory) it is built again with the
+    initial weights a fresh start has."""
+    fresh = _worker(spec_json, root, restoring=False)
+    assert fresh.engine is not None
+    initial = _weights(fresh)
+    if saved:
+        engine, spec = fresh.engine, fresh.spec
+        for _ in range(2):
+            x = torch.randint(0, spec.model.vocab_size, (2, spec.model.seq_len))
+            engine.backward(engine(x, x))
+            engine.step()
+        engine.save_checkpoint(root)
+        trained = _weights(fresh)
+    else:
+        Path(root, "step-00000004").mkdir(parents=True, exist_ok=True)  # never committed
+        dist.barrier()
+        trained = initial
+    fresh.engine.close()
+    worker = _worker(spec_json, root, restoring=True)
+    assert worker.engine is not None
+    awaiting = worker.engine.awaiting_state
+    loaded = worker._load_newest()
+    return {
+        "awaiting_before": awaiting,
+        "awaiting_after": worker.engine.awaiting_state,
+        "loaded": loaded,
+        "step": worker.step,
+        "equals_saved": _equal(_weights(worker), trained),
+        "equals_initial": _equal(_weights(worker), initial),
+    }

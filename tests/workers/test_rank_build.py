@@ -1,0 +1,28 @@
+"""A rank that loads a checkpoint builds its engine without initial weights
+(``zeroservice.RESTORED``), and falls back to them when there is nothing to load."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers import rank_scenarios as rs
+from tests.workers.jobs import tiny_job
+from zeroservice.launch import run_local
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("saved", [True, False], ids=["checkpoint", "nothing-to-load"])
+def test_a_rank_built_to_be_restored_loads_or_starts_from_the_initial_weights(
+    tmp_path, stage, saved
+):
+    spec = tiny_job(engine={"stage": stage, "bucket_elements": 4096})
+    root = str(tmp_path / "ckpt")
+    results = run_local(rs.load_or_initialise, 2, spec.model_dump_json(), root, saved)
+    for r in results:
+        assert r["awaiting_before"] and not r["awaiting_after"]
+        if saved:
+            assert r["loaded"] is not None and r["step"] == 2
+            assert r["equals_saved"] and not r["equals_initial"]
+        else:
+            assert r["loaded"] is None and r["step"] == 0
+            assert r["equals_initial"]
