@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import datetime
 import enum
+import gc
 import os
 import socket
 import threading
@@ -185,13 +186,23 @@ class RankWorker:
 
     def _leave(self) -> None:
         """Drop the engine and the group (a peer may be gone: errors are moot)."""
+        self._drop_engine()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    def _drop_engine(self) -> None:
+        """Close the engine and free its memory now. A closed engine sits in reference
+        cycles (its hooks and threads refer back to it) that only Python's cyclic
+        collector frees, which may not run for many steps while the next engine is
+        built beside it: on the 267 M GPT a surviving rank's resident memory grew by
+        about 1 GiB per live resize until the node's memory monitor killed the ranks."""
         engine, self.engine = self.engine, None
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.close()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        del engine
+        gc.collect()
 
     def _join(self, master: str, port: int, world: int, restoring: bool) -> None:
         """Join the process group as ``self.rank`` and build the model and engine
@@ -248,7 +259,7 @@ class RankWorker:
             result = None
         if result is None:
             if self.engine.awaiting_state:
-                self.engine.close()
+                self._drop_engine()
                 self._build(restoring=False)
             return None
         self.step = int(result.client_state.get("step", result.step))

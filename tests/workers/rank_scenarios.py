@@ -3,6 +3,8 @@ what ``RankWorker`` does when a start or a re-forming group loads a checkpoint."
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import torch
@@ -62,3 +64,23 @@ def load_or_initialise(spec_json: str, root: str, saved: bool) -> dict:
         "equals_saved": _equal(_weights(worker), trained),
         "equals_initial": _equal(_weights(worker), initial),
     }
+
+
+def frees_its_engine(spec_json: str, root: str) -> dict:
+    """After a step, ``_drop_engine`` leaves nothing of the engine alive, even with
+    the cyclic collector switched off (it collects itself)."""
+    worker = _worker(spec_json, root, restoring=False)
+    assert worker.engine is not None
+    engine, spec = worker.engine, worker.spec
+    x = torch.randint(0, spec.model.vocab_size, (2, spec.model.seq_len))
+    engine.backward(engine(x, x))
+    engine.step()
+    probes = [weakref.ref(engine), weakref.ref(engine.units[0].flat)]
+    del engine
+    gc.disable()
+    try:
+        worker._drop_engine()
+        alive = [p() is not None for p in probes]
+    finally:
+        gc.enable()
+    return {"alive": alive}

@@ -26,3 +26,12 @@ def test_a_rank_built_to_be_restored_loads_or_starts_from_the_initial_weights(
         else:
             assert r["loaded"] is None and r["step"] == 0
             assert r["equals_initial"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_dropped_engine_is_freed_at_once(tmp_path, stage):
+    """A re-forming rank builds its next engine beside the old one's memory unless the
+    old one is freed now: a closed engine sits in reference cycles."""
+    spec = tiny_job(engine={"stage": stage, "redundancy": "host-copy"})
+    results = run_local(rs.frees_its_engine, 2, spec.model_dump_json(), str(tmp_path))
+    assert all(r["alive"] == [False, False] for r in results), results
