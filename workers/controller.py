@@ -522,6 +522,7 @@ class JobController:
             from_checkpoint=first.loaded if first.fallback else None,
             from_peers=not first.fallback,
             seconds=seconds,
+            **_slowest_phases(setups),
             ranks=[
                 {"rank": r, "node": f"{a['ip']}/{a['node_id'][:8]}", "gpus": a["gpus"]}
                 for r, a in enumerate(group.addresses)
@@ -585,3 +586,13 @@ class JobController:
         return Interrupted(
             Interruption.LOST, f"lost {names}" + (f": {detail}" if detail else ""), ranks
         )
+
+
+def _slowest_phases(setups: list[RankSetup]) -> dict[str, Any]:
+    """The phases (seconds each) of the rank whose re-forming took longest: where a
+    resize's time went, for its event."""
+    slowest = max(setups, key=lambda s: sum(s.phases.values()))
+    return {
+        "slowest_rank": slowest.rank,
+        "phases": {k: round(v, 4) for k, v in slowest.phases.items()},
+    }

@@ -73,6 +73,9 @@ class RankSetup:
     fallback: str = ""
     """Set by a live resize that could not restore from the peers' memory: why, and so
     ``loaded`` is the checkpoint it loaded instead."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of the setup or re-forming by phase, in order (snapshot, leave,
+    rendezvous, build, load or restore, ready): where a resize's time went."""
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import datetime
 import enum
 import gc
 import os
-import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -56,6 +56,20 @@ class RankPhase(enum.Enum):
     IDLE = "idle"
 
 
+class Laps:
+    """Seconds per named phase of one call (a rank's setup or re-forming), in order, so
+    that an event can say where a resize's time went (``RankSetup.phases``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
 def _warm_up() -> None:
     """Pay torch's lazy start-up costs when the actor starts, not inside a group's
     rendezvous: the first optimizer built imports torch._dynamo (seconds on a busy
@@ -92,6 +106,8 @@ class RankWorker:
         """This chunk's step reports so far (see ``RankSetup.unreported``)."""
         self._loaded_history: list[dict[str, Any]] = []
         """The history points the loaded checkpoint carries (see ``RankSetup.history``)."""
+        self._store: dist.TCPStore | None = None
+        """The rendezvous this rank opened for the next group (``open_rendezvous``)."""
         _warm_up()
 
     # -- placement and bootstrap ---------------------------------------------------------
@@ -106,12 +122,35 @@ class RankWorker:
             "gpus": ray.get_gpu_ids(),
         }
 
-    def free_port(self) -> int:
-        import ray
+    def open_rendezvous(self, host: str) -> int:
+        """Open the next group's rendezvous on ``host`` (this rank's node: rank 0's)
+        and return its port.
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return int(s.getsockname()[1])
+        [Note: rendezvous opened first]
+        The supervisor asks rank 0 for the port before it asks any rank to join, and
+        rank 0 serves the group's store from then on, so every member finds it up. A
+        member that reached the store before its server waited out the store client's
+        retry back-off: 0.3-0.45 s of every live grow, where rank 0 first copies and
+        drops its engine while a newcomer has nothing to do before joining."""
+        self._store = dist.TCPStore(
+            host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=self._group_timeout(),
+        )
+        return int(self._store.port)
+
+    def _group_timeout(self) -> datetime.timedelta:
+        timeouts = self.spec.timeouts
+        return datetime.timedelta(seconds=max(timeouts.bootstrap_s, timeouts.step_s))
+
+    def _rendezvous_store(self, master: str, port: int) -> dist.TCPStore:
+        """The store this rank opened for ``port`` (rank 0), or a client of it."""
+        store, self._store = self._store, None
+        if store is not None and store.port == port:
+            return store
+        return dist.TCPStore(master, port, is_master=False, timeout=self._group_timeout())
 
     def setup(
         self,
@@ -126,9 +165,11 @@ class RankWorker:
         newest valid checkpoint if there is one, start serving metrics."""
         self._phase = RankPhase.BOOTSTRAP
         self.root = checkpoint_root
-        self._join(master, port, world, restoring=has_entries(checkpoint_root))
+        laps = Laps()
+        self._join(master, port, world, restoring=has_entries(checkpoint_root), laps=laps)
         loaded = self._load_newest()
-        return self._ready(world, restarts, node, loaded)
+        laps.lap("load")
+        return self._ready(world, restarts, node, loaded, laps=laps)
 
     def regroup(
         self,
@@ -155,14 +196,16 @@ class RankWorker:
         with self._busy:
             self._phase = RankPhase.BOOTSTRAP
             self._membership = None  # until the re-formed group is ready
-            held = None
+            laps, held = Laps(), None
             if self.engine is not None:
                 held = self.engine.snapshot_now() if grow else self.engine.peer_snapshot()
+                laps.lap("snapshot")
                 self._leave()
             elif dist.is_initialized():
                 dist.destroy_process_group()
+            laps.lap("leave")
             self.rank, self.root = rank, checkpoint_root
-            self._join(master, port, world, restoring=True)
+            self._join(master, port, world, restoring=True, laps=laps)
             assert self.engine is not None
             fallback = ""
             try:
@@ -174,9 +217,10 @@ class RankWorker:
                 fallback = str(exc)
                 self.step, self.tokens = 0, 0
                 loaded = self._load_newest()
+            laps.lap("restore")
             kept = [r for r in self._unreported if r["step"] <= self.step]
             self._unreported = []
-            setup = self._ready(world, restarts, node, loaded, fallback)
+            setup = self._ready(world, restarts, node, loaded, fallback, laps)
             if kept and not grow:
                 chunk = RankChunk(
                     self.rank, self.step, {r["step"]: r["loss"] for r in kept}, {}, kept
@@ -196,15 +240,22 @@ class RankWorker:
         cycles (its hooks and threads refer back to it) that only Python's cyclic
         collector frees, which may not run for many steps while the next engine is
         built beside it: on the 267 M GPT a surviving rank's resident memory grew by
-        about 1 GiB per live resize until the node's memory monitor killed the ranks."""
+        about 1 GiB per live resize until the node's memory monitor killed the ranks.
+        The full collection (about 0.1 s with torch's objects tracked) runs only when
+        the engine, its module or a unit's buffer outlived the last reference (at
+        stage 3 the buffers do)."""
         engine, self.engine = self.engine, None
-        if engine is not None:
-            with contextlib.suppress(Exception):
-                engine.close()
-        del engine
-        gc.collect()
+        if engine is None:
+            return
+        with contextlib.suppress(Exception):
+            engine.close()
+        owned = [engine, engine.module, *(u.flat for u in engine.units)]
+        probes = [weakref.ref(x) for x in owned]
+        del engine, owned
+        if any(p() is not None for p in probes):
+            gc.collect()
 
-    def _join(self, master: str, port: int, world: int, restoring: bool) -> None:
+    def _join(self, master: str, port: int, world: int, restoring: bool, laps: Laps) -> None:
         """Join the process group as ``self.rank`` and build the model and engine
         (``restoring``: without initial weights, since a load or a restore follows)."""
         spec = self.spec
@@ -212,17 +263,18 @@ class RankWorker:
         if use_cuda:
             torch.cuda.set_device(0)  # Ray shows each rank only its own GPU
         self.use_cuda = use_cuda
-        timeout = max(spec.timeouts.bootstrap_s, spec.timeouts.step_s)
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{master}:{port}",
+            store=self._rendezvous_store(master, port),
             rank=self.rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=self._group_timeout(),
         )
         self._rendezvous = f"{master}:{port}"
         self.topo = zeroservice.build_topology(spec.resources.mp)
+        laps.lap("rendezvous")
         self._build(restoring)
+        laps.lap("build")
 
     def _build(self, restoring: bool) -> None:
         spec, topo, use_cuda = self.spec, self.topo, self.use_cuda
@@ -268,7 +320,13 @@ class RankWorker:
         return str(result.path)
 
     def _ready(
-        self, world: int, restarts: int, node: str, loaded: str | None, fallback: str = ""
+        self,
+        world: int,
+        restarts: int,
+        node: str,
+        loaded: str | None,
+        fallback: str = "",
+        laps: Laps | None = None,
     ) -> RankSetup:
         """Serve metrics under the rank's (new) identity and report the setup."""
         import ray
@@ -296,6 +354,8 @@ class RankWorker:
         self._comm_start = self._comm_totals()  # start-up traffic is no step-phase's
         self._start_step = self.step
         self._phase = RankPhase.READY
+        if laps is not None:
+            laps.lap("ready")
         self._setup = RankSetup(
             rank=self.rank,
             dp_rank=topo.dp_rank,
@@ -306,6 +366,7 @@ class RankWorker:
             psi=engine.psi,
             fallback=fallback,
             history=self._loaded_history,
+            phases=laps.seconds if laps is not None else {},
         )
         self._loaded_history = []
         self._membership = {

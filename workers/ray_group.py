@@ -309,7 +309,10 @@ class RayWorkerGroup:
         timeout = self.timeout
         try:
             addresses = ray.get([a.address.remote() for a in self.actors], timeout=timeout)
-            port = ray.get(self.actors[0].free_port.remote(), timeout=timeout)
+            # See [Note: rendezvous opened first] in workers/rank.py.
+            port = ray.get(
+                self.actors[0].open_rendezvous.remote(addresses[0]["ip"]), timeout=timeout
+            )
             refs = [
                 a.regroup.remote(
                     addresses[0]["ip"],
@@ -510,7 +513,7 @@ class RayWorkerPool:
         timeout = self.spec.timeouts.bootstrap_s
         actors = group.actors
         addresses = ray.get([a.address.remote() for a in actors], timeout=timeout)
-        port = ray.get(actors[0].free_port.remote(), timeout=timeout)
+        port = ray.get(actors[0].open_rendezvous.remote(addresses[0]["ip"]), timeout=timeout)
         if not is_uri(self.root):  # an s3:// prefix needs no directory
             Path(self.root).mkdir(parents=True, exist_ok=True)
         group.setups = ray.get(

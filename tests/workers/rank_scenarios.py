@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
-from workers.rank import RankWorker
+from workers.rank import Laps, RankWorker
 
 
 def _worker(spec_json: str, root: str, restoring: bool) -> RankWorker:
@@ -84,3 +84,26 @@ def frees_its_engine(spec_json: str, root: str) -> dict:
     finally:
         gc.enable()
     return {"alive": alive}
+
+
+def joins_through_the_opened_rendezvous(spec_json: str, root: str) -> dict:
+    """Every rank opens a rendezvous (as rank 0 does when the supervisor asks it for
+    the port); the group then forms at rank 0's port only: rank 0 serves it with the
+    store it opened, the others join it as clients and drop the store they opened."""
+    worker = RankWorker("job", dist.get_rank(), spec_json)
+    worker.root, worker.use_cuda = root, False
+    ports = [None] * dist.get_world_size()
+    dist.all_gather_object(ports, worker.open_rendezvous("127.0.0.1"))
+    opened = worker._store
+    dist.destroy_process_group()
+    laps = Laps()
+    worker._join("127.0.0.1", ports[0], len(ports), restoring=False, laps=laps)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {
+        "world": dist.get_world_size(),
+        "sum": total.item(),
+        "opened": opened is not None,
+        "kept": worker._store is not None,
+        "phases": list(laps.seconds),
+    }

@@ -115,6 +115,7 @@ class ScriptedRank:
             f"127.0.0.1:{9000 + rank}",
             fallback=fallback,
             unreported=chunk,
+            phases={"rendezvous": 0.1 * (rank + 1), "restore": 0.2},  # the last rank slowest
         )
         return self.setup_info
 

@@ -412,6 +412,10 @@ def test_a_lost_rank_is_replaced_at_the_next_step_boundary():
     assert ctl.group.dp == 2 and ctl.state.step == 4
     assert [e["reason"] for e in _events(ctl, "resize")] == ["shrunk", "grown"]
     assert ctl.record.restarts == 1  # growing back costs none
+    shrunk, grown = [e for e in _events(ctl, "placed") if e["reason"] == "regrouped"]
+    # Where each re-forming's time went: the slowest rank's phases.
+    assert shrunk["slowest_rank"] == 0 and shrunk["phases"] == {"rendezvous": 0.1, "restore": 0.2}
+    assert grown["slowest_rank"] == 1 and grown["phases"] == {"rendezvous": 0.2, "restore": 0.2}
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED
     assert sorted(ctl.record.losses) == list(range(1, 13))

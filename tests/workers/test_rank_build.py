@@ -35,3 +35,20 @@ def test_a_dropped_engine_is_freed_at_once(tmp_path, stage):
     spec = tiny_job(engine={"stage": stage, "redundancy": "host-copy"})
     results = run_local(rs.frees_its_engine, 2, spec.model_dump_json(), str(tmp_path))
     assert all(r["alive"] == [False, False] for r in results), results
+
+
+def test_a_group_forms_at_the_rendezvous_rank_0_opened(tmp_path):
+    """See [Note: rendezvous opened first] in workers/rank.py: rank 0 serves the store
+    it opened before anyone was asked to join; a store another rank opened for some
+    other port is dropped, not served."""
+    spec = tiny_job(engine={"stage": 2})
+    results = run_local(
+        rs.joins_through_the_opened_rendezvous,
+        3,
+        spec.model_dump_json(),
+        str(tmp_path),
+        timeout_s=300,
+    )
+    assert [r["sum"] for r in results] == [3.0, 3.0, 3.0]
+    assert all(r["world"] == 3 and r["opened"] and not r["kept"] for r in results)
+    assert results[0]["phases"] == ["rendezvous", "build"]
