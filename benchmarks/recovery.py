@@ -17,7 +17,9 @@ killed process (and, of those, the seconds the job's event gives for re-forming 
 group: the live path's ``placed/regrouped``), and the steps trained again (the step
 reached before the kill minus the step the new group resumed from). Goodput: useful
 steps per second over the faulty phase / the fault-free rate. Join: seconds from the
-node's return to the first step at dp 2.
+node's return (``add_node``) to the first step at dp 2, and the same from the moment
+Ray reports the new node alive (its raylet's start is not the job's doing); the JSON's
+``join`` breaks it down (node alive, growing, re-formed, first step).
 
     python -m benchmarks.recovery [--model small|large] [--kills 10] [--every 12]
                                   [--modes restart live]
@@ -33,6 +35,7 @@ import os
 import random
 import signal
 import statistics
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -72,6 +75,98 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[k]
+
+
+def _alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _wait_new_node(before: set[str], since: float, timeout: float = 120.0) -> float:
+    """Seconds from ``since`` (monotonic) until Ray reports a node alive that was not
+    before (the node's own start: its raylet and registration, none of the job's doing)."""
+    while time.monotonic() - since < timeout:
+        if _alive_nodes() - before:
+            return time.monotonic() - since
+        time.sleep(0.05)
+    raise TimeoutError(f"no new node alive within {timeout} s")
+
+
+class _JoinWatch:
+    """Polls Ray's state every 50 ms while a node joins: when every placement group
+    bundle sits on a live node (the lost seat placed again) and when a rank actor that
+    did not exist before is alive (its constructor, torch's warm-up included, done)."""
+
+    def __init__(self) -> None:
+        import ray._private.state as ray_state
+
+        self._state = ray_state
+        self._actors_before = self._rank_actors()
+        self.seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _rank_actors(self) -> set[str]:
+        return {
+            a["ActorID"]
+            for a in self._state.actors().values()
+            if a.get("ActorClassName", "").endswith("RankWorker") and a.get("State") == "ALIVE"
+        }
+
+    def _seats_placed(self) -> bool:
+        from ray.util import placement_group_table
+
+        alive = _alive_nodes()
+        tables = [t for t in placement_group_table().values() if t.get("state") != "REMOVED"]
+        return bool(tables) and all(
+            t.get("state") == "CREATED" and set(t.get("bundles_to_node_id", {}).values()) <= alive
+            for t in tables
+        )
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic() - self._since
+            if "seat_placed_s" not in self.seen and self._seats_placed():
+                self.seen["seat_placed_s"] = now
+            if "newcomer_up_s" not in self.seen and self._rank_actors() - self._actors_before:
+                self.seen["newcomer_up_s"] = now
+            time.sleep(0.05)
+
+    def start(self, since: float) -> None:
+        self._since = since
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _join_breakdown(
+    events: list[dict[str, Any]], joined_at: float, t_node: float, t_join: float
+) -> dict[str, float | None]:
+    """Where a join's seconds go, from the node's ``add_node``: the node alive in Ray,
+    the supervisor growing (its newcomer's actor is up), the re-formed group's event,
+    and its first step. ``from_node_s``: the same join counted from the node alive."""
+    grew = [
+        _age(e["time"], joined_at)
+        for e in events
+        if e["reason"] == "capacity_returned" and _age(e["time"], joined_at) > 0
+    ]
+    formed = [
+        (_age(e["time"], joined_at), e.get("seconds"), e.get("phases"))
+        for e in events
+        if e["reason"] == "regrouped" and _age(e["time"], joined_at) > 0
+    ]
+    return {
+        "phases": formed[-1][2] if formed else None,
+        "node_alive_s": t_node,
+        "growing_s": grew[0] if grew else None,
+        "regrouped_s": formed[-1][0] if formed else None,
+        "regroup_s": formed[-1][1] if formed else None,
+        "first_step_s": t_join,
+        "from_node_s": t_join - t_node,
+    }
 
 
 def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int) -> dict:
@@ -149,14 +244,16 @@ def _run_mode(
         os.kill(victim["pid"], signal.SIGKILL)
         seconds, after = wait_group(1, victim["pid"])
         regrouped = [
-            e.get("seconds")
+            e
             for e in ray.get(handle.events.remote())
             if e["reason"] == "regrouped" and e["dp"] == len(after)
         ]
+        live = bool(regrouped) and mode == "live"
         faults.append(
             {
                 "seconds": seconds,
-                "regroup_s": regrouped[-1] if regrouped and mode == "live" else None,
+                "regroup_s": regrouped[-1].get("seconds") if live else None,
+                "phases": regrouped[-1].get("phases") if live else None,
                 "retrained": max(0, before - after[0]["start_step"]),
                 "new_dp": len(after),
             }
@@ -178,18 +275,24 @@ def _run_mode(
     sim.remove_node(sim.nodes[1])
     wait_group(1, None)
     time.sleep(3.0)
-    joined = time.monotonic()
+    alive_before = _alive_nodes()
+    watch = _JoinWatch()
+    joined, joined_at = time.monotonic(), time.time()
+    watch.start(joined)
     sim.add_node(num_cpus=1, wait=False)
+    t_node = _wait_new_node(alive_before, joined)
     wait_group(2, None)
     t_join = time.monotonic() - joined  # from the node's return
-    joined_at = time.time() - t_join
-    for e in ray.get(handle.events.remote())[-6:]:
+    watch.stop()
+    events = ray.get(handle.events.remote())
+    for e in events[-6:]:
         print(
             f"join +{_age(e['time'], joined_at):.2f} s: {e['kind']}/{e['reason']}: "
             f"{e['message'][:160]}",
             flush=True,
         )
-    events = ray.get(handle.events.remote())
+    join = _join_breakdown(events, joined_at, t_node, t_join) | watch.seen
+    print(f"join: {join}", flush=True)
     params = ray.get(handle.ranks.remote())[0]["psi"]
     stop(f"recovery-{mode}")
     secs = [f["seconds"] for f in faults]
@@ -208,6 +311,7 @@ def _run_mode(
         "goodput": goodput,
         "kill_every_s": every,
         "join_s": t_join,
+        "join": join,
         "faults": faults,
         "regrouped": sum(e["reason"] == "regrouped" for e in events),
     }
@@ -240,6 +344,8 @@ def main() -> None:
         "max",
         "goodput",
         "join→step s",
+        "node alive s",
+        "node alive→step s",
     )
     print(" | ".join(header))
     for r in results:
@@ -248,7 +354,8 @@ def main() -> None:
             f"{r['model']} ({r['params'] / 1e6:.1f} M) | {r['mode']} | {r['kills']} | "
             f"{r['recover_p50_s']:.2f} | {r['recover_p95_s']:.2f} | {regroup} | "
             f"{r['retrained_mean']:.1f} | {r['retrained_max']} | {r['goodput']:.2f} | "
-            f"{r['join_s']:.2f}"
+            f"{r['join_s']:.2f} | {r['join']['node_alive_s']:.2f} | "
+            f"{r['join']['from_node_s']:.2f}"
         )
     out = args.out or RESULTS / f"recovery-{args.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
