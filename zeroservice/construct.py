@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .flat import FlatUnit, ParamSlot, frozen_key, padded_size
+from .flat import FlatUnit, ParamSlot, frozen_key, padded_size, swap_in
 from .partition import NamedParams
 
 ModuleInit = Callable[[str, nn.Module], None]
@@ -73,15 +73,6 @@ def is_deferred(module: nn.Module) -> bool:
 
 def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
-
-
-def _set_data(param: nn.Parameter, value: torch.Tensor) -> None:
-    """``param.data = value``, also from the meta device (which ``.data`` refuses)."""
-    if param.is_meta != value.is_meta:
-        fresh = nn.Parameter(value, requires_grad=param.requires_grad)
-        torch.utils.swap_tensors(param, fresh)
-    else:
-        param.data = value
 
 
 def empty_units(
@@ -191,7 +182,7 @@ def fill_from_init(
             continue
         views = scratch.views(module)
         for p in own:
-            _set_data(p, views[id(p)])
+            swap_in(p, views[id(p)])
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
@@ -269,7 +260,7 @@ def materialize(root: nn.Module, init: InitSource, device: torch.device) -> None
         with torch.no_grad():
             for names, p in _named_unique(root):
                 value = source.value(names, p.shape)
-                _set_data(p, value.to(device=device, dtype=p.dtype, copy=True))
+                swap_in(p, value.to(device=device, dtype=p.dtype, copy=True))
         source.load_buffers(root)
         return
     done: set[int] = set()
@@ -280,7 +271,7 @@ def materialize(root: nn.Module, init: InitSource, device: torch.device) -> None
         if not own:
             continue
         for p in own:
-            _set_data(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+            swap_in(p, torch.empty(p.shape, dtype=p.dtype, device=device))
             done.add(id(p))
         if restored:
             continue
@@ -302,7 +293,7 @@ def release_parameters(units: list[FlatUnit]) -> None:
     """Make every registered parameter an empty placeholder (its data lives in shards)."""
     for unit in units:
         for slot in unit.slots:
-            _set_data(slot.param, _placeholder(unit.flat.dtype, unit.flat.device))
+            swap_in(slot.param, _placeholder(unit.flat.dtype, unit.flat.device))
 
 
 def engine_device(module: nn.Module, group) -> torch.device:

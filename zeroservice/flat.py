@@ -140,6 +140,15 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
+def swap_in(param: nn.Parameter, value: torch.Tensor) -> None:
+    """``param.data = value``, also from the meta device (which ``.data`` refuses)."""
+    if param.is_meta != value.is_meta:
+        fresh = nn.Parameter(value, requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, fresh)
+    else:
+        param.data = value
+
+
 def build_unit(
     index: int,
     group: list[tuple[list[str], nn.Parameter]],
@@ -148,12 +157,19 @@ def build_unit(
     shard_rank: int,
     opt_group: int = 0,
     frozen: bool = False,
+    device: torch.device | None = None,
 ) -> FlatUnit:
-    """Copy a group's parameters into a fresh flat buffer and make them views of it."""
-    device = group[0][1].device
+    """Copy a group's parameters into a fresh flat buffer and make them views of it.
+
+    A parameter still on the meta device (a model built to be restored, see
+    ``zeroservice.RESTORED``) has nothing to copy: its view stays zero until a load or
+    a restore fills it, and no whole-parameter tensor is allocated and copied on the
+    way (on a 267 M GPT, about 0.3 s and 1 GiB of page faults per re-forming rank).
+    ``device``: where the buffer goes (default: the first parameter's)."""
+    device = device or group[0][1].device
     slots, offset = [], 0
     for names, p in group:
-        if p.device != device:
+        if p.device != device and not p.is_meta:
             raise ValueError(
                 f"parameter {names[0]} is on {p.device}, but {group[0][0][0]} is on {device}: "
                 "the engine needs every parameter on one device"
@@ -164,8 +180,11 @@ def build_unit(
     unit = FlatUnit(index, slots, shard_world, shard_rank, flat, opt_group=opt_group, frozen=frozen)
     with torch.no_grad():
         for slot, view in zip(slots, unit.views_of(flat), strict=True):
-            view.copy_(slot.param.detach())
-            slot.param.data = view
+            if slot.param.is_meta:
+                swap_in(slot.param, view)
+            else:
+                view.copy_(slot.param.detach())
+                slot.param.data = view
     return unit
 
 
@@ -175,6 +194,7 @@ def build_units(
     shard_world: int,
     shard_rank: int,
     opt_group: dict[int, int] | None = None,
+    device: torch.device | None = None,
 ) -> list[FlatUnit]:
     """Stages 0-2: a unit per chunk of ``units.plan_layout``, holding its parameters."""
     group_of = opt_group or {}
@@ -187,6 +207,7 @@ def build_units(
             shard_rank,
             group_of.get(id(g[0][1]), 0),
             frozen=not g[0][1].requires_grad,
+            device=device,
         )
         for i, g in enumerate(chunks)
     ]
