@@ -64,6 +64,9 @@ class Interrupt:
             either: list[Future[Any]] = [future, self._fired]
             futures.wait(either, return_when=futures.FIRST_COMPLETED)
             if not future.done():
+                # See [Note: a failed call holds nothing] in serial.py: this frame stays
+                # in CommInterrupted's traceback, and must not keep the abandoned call.
+                del future, either
                 raise CommInterrupted(f"collective abandoned: {self._fired.result()}")
         return future.result()
 
@@ -76,7 +79,13 @@ class Interrupt:
             if self._waiter is None:
                 self._waiter = SerialThread("zeroservice-wait")
             waiter = self._waiter
-        return self.result(waiter.submit(blocking))
+        future = waiter.submit(blocking)
+        del blocking, waiter
+        try:
+            return self.result(future)
+        except CommInterrupted:
+            del future  # see [Note: a failed call holds nothing] in serial.py
+            raise
 
     def close(self) -> None:
         """Let the waiter thread end once its job is done (never joined: after an
