@@ -16,7 +16,9 @@ Measured per kill, from outside (the ranks' own Prometheus endpoints, polled eve
 killed process (and, of those, the seconds the job's event gives for re-forming the
 group: the live path's ``placed/regrouped``), and the steps trained again (the step
 reached before the kill minus the step the new group resumed from). Goodput: useful
-steps per second over the faulty phase / the fault-free rate. Join: seconds from the
+samples per second over the faulty phase (each step counted at the data-parallel
+degree it was trained at: a step at dp 1 is half a step at dp 2) / the fault-free
+rate; ``goodput_steps`` counts steps alone. Join: seconds from the
 node's return (``add_node``) to the first step at dp 2, and the same from the moment
 Ray reports the new node alive (its raylet's start is not the job's doing); the JSON's
 ``join`` breaks it down (node alive, growing, re-formed, first step).
@@ -265,8 +267,20 @@ def _run_mode(
             print("\n".join(faults[-1]["events"]), flush=True)
         time.sleep(max(0.0, every - seconds))
     members = rows()
-    useful = step_now(members) - s_begin
-    goodput = useful / (time.monotonic() - t_begin) / rate if rate > 0 else 0.0
+    t_end = time.monotonic()
+    # A step at dp 1 trains half the samples of one at dp 2: count samples, each step
+    # at the data-parallel degree the job's history gives it. The last step is the
+    # history's too (a busy rank's endpoint may not answer a scrape in time).
+    dp_of = {
+        s: p["dp"]
+        for p in ray.get(handle.history.remote())
+        for s in range(p["step"] - p.get("steps", 1) + 1, p["step"] + 1)
+    }
+    s_end = max(step_now(members), max(dp_of, default=-1))
+    useful = s_end - s_begin
+    goodput_steps = useful / (t_end - t_begin) / rate if rate > 0 else 0.0
+    samples = sum(dp_of.get(s, 0) for s in range(s_begin + 1, s_end + 1))
+    goodput = samples / (t_end - t_begin) / (2 * rate) if rate > 0 else 0.0
 
     members = rows()
     while len(members) < 2:
@@ -309,6 +323,7 @@ def _run_mode(
         "retrained_mean": statistics.mean(f["retrained"] for f in faults),
         "retrained_max": max(f["retrained"] for f in faults),
         "goodput": goodput,
+        "goodput_steps": goodput_steps,
         "kill_every_s": every,
         "join_s": t_join,
         "join": join,
