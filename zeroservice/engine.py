@@ -172,14 +172,14 @@ class Engine:
             module.to(dtype)  # buffers; parameters are empty placeholders by now
             self._sync_initial_state(params=False)
         else:
-            device = construct.engine_device(module, group)
+            # Restored: the parameters go from the meta device straight into zeroed units.
+            target = construct.engine_device(module, group) if restored else None
             if (deferred or init is not None) and not restored:
-                construct.materialize(module, init, device)
+                construct.materialize(module, init, construct.engine_device(module, group))
             if dtype != torch.float32:
                 module.to(dtype)
-            # Restored: the parameters go from the meta device straight into zeroed units.
             self.units = build_units(
-                self.layout.chunks, dtype, self.policy.shard_world, shard_rank, opt_group, device
+                self.layout.chunks, dtype, self.policy.shard_world, shard_rank, opt_group, target
             )
             self._sync_initial_state(params=not (restored or isinstance(init, str | os.PathLike)))
         self.trainable_units = [u for u in self.units if not u.frozen]
