@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import random
@@ -62,6 +63,20 @@ def _mount_tmpfs(path: Path, size_mib: int) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
+
+
+def _fill(disk: Path, leave: int = 8192) -> Path:
+    """A ballast file that takes the disk's free space but ``leave`` bytes (less than a
+    rank file). The ranks may save meanwhile and take some of the room counted: a write
+    that meets a full disk has done what was asked, so ENOSPC ends it quietly."""
+    ballast = disk / "ballast"
+    try:
+        with open(ballast, "wb") as f:
+            f.write(b"\0" * max(0, shutil.disk_usage(disk).free - leave))
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    return ballast
 
 
 def _schedule(n: int, seed: int, disk: bool) -> list[str]:
@@ -167,10 +182,7 @@ def _run(sim: Any, disk: Path, mounted: bool, seed: int, faults: int) -> dict[st
             h.service.engine.dispose()
             h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
         elif kind == "disk_full":
-            usage = shutil.disk_usage(disk)
-            ballast = disk / "ballast"
-            with open(ballast, "wb") as f:  # leave less than a rank file
-                f.write(b"\0" * max(0, usage.free - 8192))
+            ballast = _fill(disk)
             failed = sum(e["reason"] == "save_failed" for e in events())
             wait_for(
                 lambda n=failed: sum(e["reason"] == "save_failed" for e in events()) > n,
