@@ -25,21 +25,21 @@ of a single pass. All-gather receives straight into the buffer and needs no scra
 from __future__ import annotations
 
 import time
-import weakref
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
-from .serial import SerialThread
+from .serial import OrderedCollectives
 
 
-class RingComm:
+class RingComm(OrderedCollectives):
     """Ring collectives over one process group, run in order on a background thread."""
 
     def __init__(self, group=None, max_chunk: int | None = None):
         if max_chunk is not None and max_chunk < 1:
             raise ValueError(f"max_chunk: must be >= 1, got {max_chunk}")
+        super().__init__("zeroservice-ring")
         self.group = group
         self.max_chunk = max_chunk
         """Most columns of the (N, S) view reduced in one pass (bounds the scratch)."""
@@ -51,10 +51,6 @@ class RingComm:
 
         self.next = global_rank((self.rank + 1) % self.world)
         self.prev = global_rank((self.rank - 1) % self.world)
-        self._thread = SerialThread("zeroservice-ring")
-        # A script that never calls engine.close() still stops and joins the thread at
-        # interpreter exit, before torch.distributed's own teardown.
-        self._stop = weakref.finalize(self, self._thread.stop, wait=True)
         self._scratch: torch.Tensor | None = None
 
     @property
@@ -77,16 +73,6 @@ class RingComm:
     def all_gather(self, buffer: torch.Tensor) -> Future[float]:
         """Fill every chunk of ``buffer`` from the rank that owns it; returns seconds."""
         return self._thread.submit(self._all_gather, buffer)
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Stop the thread; ``wait=False`` drops the queued jobs and leaves a transfer
-        in progress to its group's timeout (after an interrupt: see interrupt.py) on a
-        daemon thread that does not hold up the process's exit."""
-        if wait:
-            self._stop()
-        else:
-            self._stop.detach()
-            self._thread.stop(wait=False)
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         reqs = [

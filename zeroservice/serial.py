@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -88,3 +89,25 @@ def _run(fn: Callable[[], Any], future: Future[Any]) -> None:
         del fn
         future.set_exception(exc)
         del future
+
+
+class OrderedCollectives:
+    """Base of the collectives that run as jobs on their own serial thread (rings,
+    shared memory): jobs run in submission order, which is the same on every rank, so
+    the transfers of two jobs never cross."""
+
+    def __init__(self, name: str) -> None:
+        self._thread = SerialThread(name)
+        # A script that never calls engine.close() still stops and joins the thread at
+        # interpreter exit, before torch.distributed's own teardown.
+        self._stop = weakref.finalize(self, self._thread.stop, wait=True)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the thread; ``wait=False`` drops the queued jobs and leaves a transfer
+        in progress to its group's timeout (after an interrupt: see interrupt.py) on a
+        daemon thread that does not hold up the process's exit."""
+        if wait:
+            self._stop()
+        else:
+            self._stop.detach()
+            self._thread.stop(wait=False)
