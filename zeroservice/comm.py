@@ -46,6 +46,11 @@ import torch.distributed as dist
 from .config import check_collectives
 from .interrupt import Interrupt
 from .ring import RingComm
+from .shm import SharedMemoryComm
+
+SMALL_ELEMENTS = 2**14
+"""With ``collectives="shm"``, an all-reduce of fewer elements stays on the backend:
+two barriers would cost more than the bytes."""
 
 _VOLUME_FACTOR = {
     "all_reduce": 2,
@@ -80,7 +85,8 @@ class CollectiveStats:
     tag: str
     world_size: int
     impl: str
-    """How it ran: "native" (the backend's own op) or "ring" (point-to-point ring)."""
+    """How it ran: "native" (the backend's own op), "ring" (point-to-point ring) or
+    "shm" (through shared memory)."""
     calls: int = 0
     payload_bytes: int = 0
     payload_elements: int = 0
@@ -228,10 +234,12 @@ class Communicator:
 
     Reduce-scatter and all-gather work in place on a buffer of N equal chunks (see
     [Note: rings on gloo] in ring.py): natively where the backend is fast (NCCL),
-    as point-to-point rings on gloo, whose own versions are 2-4x slower. The ledger
-    names the implementation of each entry. ``ring_chunk`` caps the ring's receive
-    scratch (see RingComm). With ``interrupt`` (engines pass theirs) every wait on gloo
-    can be given up from another thread (see [Note: interrupting a collective] in
+    as point-to-point rings on gloo, whose own versions are 2-4x slower; with
+    ``impl="shm"``, through shared memory (all-reduce too), for a group on one host
+    (see shm.py). The ledger names the implementation of each entry. ``ring_chunk``
+    caps the ring's receive scratch (see RingComm) and sizes the shared segments.
+    With ``interrupt`` (engines pass theirs) every wait on gloo can be given up from
+    another thread (see [Note: interrupting a collective] in
     interrupt.py); without, native ops are waited for on the caller's thread, which
     costs no waiter thread (the model-parallel groups: their jobs restart whole).
     """
@@ -253,6 +261,7 @@ class Communicator:
         check_collectives(impl, self.backend)
         use_ring = impl == "ring" or (impl == "auto" and self.backend == "gloo")
         self.ring = RingComm(group, ring_chunk) if use_ring and self.world > 1 else None
+        self.shm = SharedMemoryComm(group, ring_chunk) if impl == "shm" and self.world > 1 else None
         self.nodes = list(nodes) if nodes is not None else [0] * self.world
         """The node of each group rank. See [Note: bytes by link]."""
         assert len(self.nodes) == self.world
@@ -281,7 +290,7 @@ class Communicator:
             return work.wait
         return lambda: interrupt.run(work.wait)
 
-    def _ring(self, future: Future[float]) -> Callable[[], float]:
+    def _job(self, future: Future[float]) -> Callable[[], float]:
         interrupt = self.interrupt
         return future.result if interrupt is None else lambda: interrupt.result(future)
 
@@ -293,6 +302,15 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> Pending:
         """Sum (or ``op``) ``tensor`` in place across the group."""
+        if (
+            self.shm is not None
+            and op == dist.ReduceOp.SUM
+            and tensor.numel() >= SMALL_ELEMENTS
+            and tensor.is_contiguous()
+            and tensor.device.type == "cpu"
+        ):
+            future = self.shm.all_reduce(tensor)
+            return self._pending(self._job(future), "all_reduce", tag, tensor, "shm")
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._pending(self._native(work), "all_reduce", tag, tensor)
 
@@ -325,9 +343,12 @@ class Communicator:
 
     def reduce_scatter(self, buffer: torch.Tensor, tag: str) -> Pending:
         """Sum ``buffer`` across ranks into this rank's chunk (other chunks: scratch)."""
+        if self.shm is not None:
+            future = self.shm.reduce_scatter(buffer)
+            return self._pending(self._job(future), "reduce_scatter", tag, buffer, "shm")
         if self.ring is not None:
             future = self.ring.reduce_scatter(buffer)
-            return self._pending(self._ring(future), "reduce_scatter", tag, buffer, "ring")
+            return self._pending(self._job(future), "reduce_scatter", tag, buffer, "ring")
         out = self.chunk(buffer)
         if self.backend == "nccl":  # NCCL reduces in place when out is chunk `rank`.
             work = dist.reduce_scatter_single(out, buffer, group=self.group, async_op=True)
@@ -345,9 +366,12 @@ class Communicator:
 
     def all_gather(self, buffer: torch.Tensor, tag: str) -> Pending:
         """Fill every chunk of ``buffer`` from its owner; this rank's chunk is the input."""
+        if self.shm is not None:
+            future = self.shm.all_gather(buffer)
+            return self._pending(self._job(future), "all_gather", tag, buffer, "shm")
         if self.ring is not None:
             future = self.ring.all_gather(buffer)
-            return self._pending(self._ring(future), "all_gather", tag, buffer, "ring")
+            return self._pending(self._job(future), "all_gather", tag, buffer, "ring")
         work = dist.all_gather_single(buffer, self.chunk(buffer), group=self.group, async_op=True)
         return self._pending(self._native(work), "all_gather", tag, buffer)
 
@@ -358,6 +382,9 @@ class Communicator:
         return self._pending(self._native(work), "all_to_all", tag, send)
 
     def buffer_bytes(self) -> int:
+        """The ring's receive scratch, or the shared segments this rank maps."""
+        if self.shm is not None:
+            return self.shm.scratch_bytes
         return self.ring.scratch_bytes if self.ring is not None else 0
 
     def close(self) -> None:
@@ -366,5 +393,7 @@ class Communicator:
         fired = self.interrupt is not None and self.interrupt.fired
         if self.ring is not None:
             self.ring.shutdown(wait=not fired)
+        if self.shm is not None:
+            self.shm.close(wait=not fired)
         if self.interrupt is not None:
             self.interrupt.close()

@@ -16,7 +16,7 @@ from typing import Any, Literal
 Precision = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["param", "fp32"]
 ScheduleKind = Literal["constant", "cosine", "linear"]
-Collectives = Literal["auto", "native", "ring"]
+Collectives = Literal["auto", "native", "ring", "shm"]
 Grouping = Literal["blocks", "size"]
 Redundancy = Literal["none", "host-copy"]
 GradientQuantization = Literal["none", "int8", "int4"]
@@ -38,17 +38,24 @@ def _require(ok: bool, field_name: str, message: str) -> None:
 
 
 def check_collectives(collectives: str, backend: str) -> None:
-    """Refuse ``collectives="ring"`` on NCCL.
+    """Refuse ``collectives="ring"`` and ``"shm"`` on NCCL.
 
     The ring runs point-to-point sends on a background thread beside the main stream;
     on NCCL that thread's kernels race the compute stream and the backend's own
-    reduce-scatter/all-gather are already fast, so there is nothing to gain.
+    reduce-scatter/all-gather are already fast, so there is nothing to gain. Shared
+    memory holds host tensors; NCCL's are on the GPU.
     """
     _require(
         not (collectives == "ring" and backend == "nccl"),
         "collectives",
         "'ring' is refused on the nccl backend (point-to-point sends on a background "
         "thread beside the main stream); use 'auto' or 'native'",
+    )
+    _require(
+        not (collectives == "shm" and backend == "nccl"),
+        "collectives",
+        "'shm' is refused on the nccl backend (shared memory holds host tensors, NCCL's "
+        "are on the GPU); use 'auto' or 'native'",
     )
 
 
@@ -156,8 +163,10 @@ class ZeroConfig:
     """Launch gradient reductions from backward hooks while backward continues."""
     collectives: Collectives = "auto"
     """How reduce-scatter and all-gather run: "native" (the backend's own ops), "ring"
-    (point-to-point rings on a background thread), or "auto": rings on gloo, whose
-    own ops are slow, native elsewhere (NCCL)."""
+    (point-to-point rings on a background thread), "shm" (these two and all-reduce
+    through shared memory; every rank of the data-parallel group on one host, CPU
+    tensors: see [Note: shared-memory collectives] in shm.py), or "auto": rings on
+    gloo, whose own ops are slow, native elsewhere (NCCL)."""
     broadcast_buffers: bool = True
     """Before every forward, copy the module's buffers (BatchNorm running statistics)
     from rank 0 to every rank, as DDP does by default: ranks then agree on them and a
@@ -290,9 +299,9 @@ class ZeroConfig:
             f"{self.gradient_accumulation_steps!r} must be an integer >= 1",
         )
         _require(
-            self.collectives in ("auto", "native", "ring"),
+            self.collectives in ("auto", "native", "ring", "shm"),
             "collectives",
-            f"{self.collectives!r} is not 'auto', 'native' or 'ring'",
+            f"{self.collectives!r} is not 'auto', 'native', 'ring' or 'shm'",
         )
         for name in (
             "activation_checkpointing",

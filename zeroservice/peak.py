@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from .memory import PARAM_BYTES, model_state_kinds
+from .shm import HEADER_BYTES, half_bytes_for
 
 if TYPE_CHECKING:
     from .models.gpt import GPTConfig
@@ -116,6 +117,9 @@ class PeakConfig:
     native_bf16: bool | None = None
     """Whether the rank's CPU keeps bf16 kernels resident (see [Note: peak model]);
     ``None``: as this host does (``native_bf16_matmul``)."""
+    collectives: str = "auto"
+    """The engine's ``collectives``: with "shm" the shared segments replace the ring's
+    scratch (shm.py)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -149,7 +153,8 @@ class PeakPrediction:
     """Gradient staging buffers (reduce.py's pool) as allocated: the ledger counts them
     in ``comm_buffers``. The totals count the pages the units staged in them write."""
     ring: int
-    """The ring's receive scratch (ring.py): also in the ledger's ``comm_buffers``."""
+    """The ring's receive scratch (ring.py), or with ``collectives="shm"`` the shared
+    segments this rank maps (shm.py): also in the ledger's ``comm_buffers``."""
     gathered: int
     """Stage 3: whole units gathered at once, at their most (the ledger's
     ``gathered_peak``)."""
@@ -298,7 +303,9 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     elif c.stage == 3 and largest > units.block:
         staging = written = 2 * units.block * p
     ring = 0
-    if c.dp > 1:
+    if c.dp > 1 and c.collectives == "shm":
+        ring = c.dp * (HEADER_BYTES + 2 * half_bytes_for(c.dp, units.block // c.dp))
+    elif c.dp > 1:
         largest_shard = largest // (c.dp if c.stage > 0 else 1)
         ring = min(largest_shard, units.block // c.dp) * p
     gathered = _gathered_elements(units) * p if c.stage == 3 else 0

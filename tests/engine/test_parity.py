@@ -21,6 +21,7 @@ CASES = {
     "cosine": {"schedule": {"kind": "cosine", "warmup_steps": 3, "total_steps": 10}},
     "no-overlap": {"overlap": False},
     "native-collectives": {"collectives": "native"},
+    "shm-collectives": {"collectives": "shm"},
     "unfused-adamw": {"fuse": False},
 }
 # Stage 3 only: prefetch squeezed below one block, small units kept gathered, groups
@@ -32,7 +33,10 @@ STAGE3_CASES = {
 }
 CASES |= STAGE3_CASES
 STAGES = (0, 1, 2, 3)
-WORLD_CASES = {2: list(CASES), 4: ["plain", "accum4", "clip", "tight-prefetch"]}
+WORLD_CASES = {
+    2: list(CASES),
+    4: ["plain", "accum4", "clip", "shm-collectives", "tight-prefetch"],
+}
 
 
 def _stages(case: str) -> tuple[int, ...]:
