@@ -93,7 +93,7 @@ def _summary(runs: dict[str, list[dict]], world: int) -> dict[str, dict]:
 def _ratios(runs: dict[str, list[dict]]) -> list[dict]:
     """Ours / each peer at the same stage, per repeat (interleaved pairs)."""
     out = []
-    for ours in ("zero0", "zero1", "zero2", "zero3"):
+    for ours in (name for name in SYSTEMS if name.startswith("zero")):
         if not runs.get(ours):
             continue
         stage = SYSTEMS[ours][0]
@@ -116,7 +116,7 @@ def _ratios(runs: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
-PAIRS = [
+PEERS = [
     ("zero0", "ddp"),
     ("zero1", "torch_zero1"),
     ("zero1", "deepspeed1"),
@@ -124,6 +124,8 @@ PAIRS = [
     ("zero3", "fsdp2"),
     ("zero3", "deepspeed3"),
 ]
+PAIRS = PEERS + [(f"{ours}-shm", peer) for ours, peer in PEERS]
+"""Ours (with the default collectives, then through shared memory) against each peer."""
 
 
 def _paired(names: list[str], args) -> list[dict]:
@@ -174,12 +176,12 @@ def _paired(names: list[str], args) -> list[dict]:
 
 def _print_paired(paired: list[dict]) -> None:
     print("\npaired step-time ratio, ours / peer, same ranks stepped in rotation")
-    cols = [("pair", -22), ("steps", 6), ("median", 8), ("q1-q3", 15), ("ours s", 8)]
+    cols = [("pair", -26), ("steps", 6), ("median", 8), ("q1-q3", 15), ("ours s", 8)]
     cols += [("peer s", 8), ("|dloss|", 10)]
     print("  " + "".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in cols))
     for p in paired:
         print(
-            f"  {p['ours'] + ' / ' + p['peer']:<22}{p['steps']:>6}{p['ratio_median']:>8.3f}"
+            f"  {p['ours'] + ' / ' + p['peer']:<26}{p['steps']:>6}{p['ratio_median']:>8.3f}"
             f"{p['ratio_q1']:>8.3f}-{p['ratio_q3']:.3f}{p['ours_median_s']:>8.3f}"
             f"{p['peer_median_s']:>8.3f}{p['max_loss_diff']:>10.1e}"
         )
@@ -212,7 +214,7 @@ def _print(summary: dict[str, dict], ratios: list[dict], args) -> None:
     print("\nstep-time ratio, ours / peer at the same stage (median, min-max over repeats)")
     for r in ratios:
         print(
-            f"  {r['ours']:<6} / {r['peer']:<12} {r['ratio_median']:.3f}  "
+            f"  {r['ours']:<9} / {r['peer']:<12} {r['ratio_median']:.3f}  "
             f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
         )
 

@@ -111,9 +111,10 @@ def _engine_like(engine) -> tuple[Callable, Callable]:
     return backward, engine.step
 
 
-def ours(stage: int) -> Callable[[GPT], Trainer]:
+def ours(stage: int, collectives: str = "auto") -> Callable[[GPT], Trainer]:
     def build(model: GPT) -> Trainer:
-        engine = zeroservice.initialize(model, {"stage": stage}, optimizer=_adamw)
+        config = {"stage": stage, "collectives": collectives}
+        engine = zeroservice.initialize(model, config, optimizer=_adamw)
         return Trainer(
             *_engine_like(engine),
             lambda: engine.memory_ledger().model_states,
@@ -174,6 +175,11 @@ SYSTEMS: dict[str, tuple[int, Callable[[GPT], Trainer]]] = {
     "zero1": (1, ours(1)),
     "zero2": (2, ours(2)),
     "zero3": (3, ours(3)),
+    # The same with collectives through shared memory (every rank on this host).
+    "zero0-shm": (0, ours(0, "shm")),
+    "zero1-shm": (1, ours(1, "shm")),
+    "zero2-shm": (2, ours(2, "shm")),
+    "zero3-shm": (3, ours(3, "shm")),
     "ddp": (0, ddp),
     "torch_zero1": (1, torch_zero1),
     "fsdp2": (3, fsdp2),
