@@ -17,9 +17,10 @@ behind. A segment has two halves; a collective runs in passes over at most one h
   the others' columns out of their owners' halves;
 - reduce-scatter: each rank copies its (N, w) block; barrier; rank r sums row r of
   every rank's half, in group-rank order, into its chunk;
-- all-reduce: each rank copies its piece; barrier; rank r sums sub-piece r of every
-  half, in group-rank order, and writes the sum back into its own half; barrier; each
-  copies every sub-piece from the half of the rank that summed it.
+- all-reduce: each rank copies its piece, but for sub-piece r, which only rank r reads;
+  barrier; rank r sums sub-piece r of every rank (its own term from its tensor), in
+  group-rank order, and writes the sum into its own half; barrier; each copies every
+  sub-piece from the half of the rank that summed it.
 
 Every rank adds the same values in the same order, so all ranks hold the same bits,
 as with gloo. Passes alternate halves, so a pass never overwrites what a peer may
@@ -131,8 +132,10 @@ class SharedMemoryComm(OrderedCollectives):
         return self._thread.submit(self._all_gather, buffer)
 
     def close(self, wait: bool = True) -> None:
-        """Stop the thread and let the mappings go (after the last job, with ``wait``)."""
-        self._stopping = True
+        """Stop the thread once the queued jobs are done and let the mappings go; or
+        (``wait=False``, after an interrupt) end the job in progress at its next poll."""
+        if not wait:
+            self._stopping = True
         self.shutdown(wait)
         if wait:
             self._segments, self._flags = [], []
@@ -187,13 +190,20 @@ class SharedMemoryComm(OrderedCollectives):
         for a in range(0, flat.numel(), step):
             piece = flat[a : a + step]
             halves = self._halves(flat.dtype)
-            halves[r][: piece.numel()].copy_(piece)
-            self._barrier()
             bounds = _split(piece.numel(), n)
             lo, hi = bounds[r], bounds[r + 1]
-            mine = piece[lo:hi]
-            _sum_into(mine, [h[lo:hi] for h in halves])
-            halves[r][lo:hi].copy_(mine)
+            own, mine = halves[r], piece[lo:hi]
+            # The others read every sub-piece but this rank's, which it sums in place.
+            own[:lo].copy_(piece[:lo])
+            own[hi : piece.numel()].copy_(piece[hi:])
+            terms = [h[lo:hi] for h in halves]
+            if r < 2:  # the first addition reads ``mine`` before it writes it
+                terms[r] = mine
+            else:
+                terms[r].copy_(mine)
+            self._barrier()
+            _sum_into(mine, terms)
+            own[lo:hi].copy_(mine)
             self._barrier()
             for j in range(n):
                 if j != r:
