@@ -6,7 +6,9 @@ node back and grows to dp 2. Prints a JSON summary on its last line.
 ``python -m tests.workers.elastic_scenario live``: the job keeps host copies
 (``engine.redundancy: host-copy``), so every resize is live (see [Note: live resize]);
 before the node is removed, one rank's process is SIGKILLed on a node that stays, and
-the job shrinks and grows back into the lost rank's own seat."""
+the job shrinks and grows back into the lost rank's own seat. ``... live shm``: the
+same with ``engine.collectives: shm`` (the simulated nodes share this host's
+``/dev/shm``), so the killed rank dies in the middle of shared-memory collectives."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import signal
 import sys
 
 
-def main(live: bool) -> dict:
+def main(live: bool, shm: bool = False) -> dict:
     from workers.cluster import SimulatedCluster
 
     with SimulatedCluster(nodes=2, cpus_per_node=2) as sim:
@@ -29,6 +31,8 @@ def main(live: bool) -> dict:
         engine = {"stage": 2, "bucket_elements": 4096}
         if live:
             engine["redundancy"] = "host-copy"
+        if shm:
+            engine["collectives"] = "shm"
         spec = tiny_job(
             steps=100_000,  # runs until the shrink and the growth were seen, then cancelled
             resources={"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 2},
@@ -83,4 +87,4 @@ def main(live: bool) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(live=sys.argv[1:] == ["live"])))
+    print(json.dumps(main(live="live" in sys.argv[1:], shm="shm" in sys.argv[1:])))

@@ -48,12 +48,14 @@ def test_node_removed_shrinks_and_node_added_grows_back():
     assert result["stopped"] == "cancelled"
 
 
-def test_live_resizes_keep_the_ranks_and_read_no_checkpoint():
+@pytest.mark.parametrize("collectives", ["auto", "shm"])
+def test_live_resizes_keep_the_ranks_and_read_no_checkpoint(collectives):
     """With host copies a killed rank and a removed node each shrink the group in place,
     and the lost seat or the returned node grows it back in place: the job's ranks are
     started once, every resize restores from host memory, and no step is missing from
-    the history."""
-    result = _scenario("live")
+    the history. Also with collectives through shared memory: a survivor waiting at a
+    barrier for the killed rank gives up as it would on gloo."""
+    result = _scenario("live", *(["shm"] if collectives == "shm" else []))
     log = result["events"]
     placed = [e for e in log if e["kind"] == "placed"]
     assert [e["reason"] for e in placed].count("started") == 1
