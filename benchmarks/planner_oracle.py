@@ -17,7 +17,10 @@ thing: every byte the engine and the step allocate, from none.
 
 ``MALLOC_MMAP_THRESHOLD_=131072`` (as the other benchmarks) by default: glibc then maps
 every block above 128 KiB on its own and returns it when freed; ``--default-malloc``
-runs under glibc's default instead.
+runs under glibc's default instead. ``--mkl-cache-off`` sets ``MKL_DISABLE_FAST_MM=1``
+in the ranks: MKL then frees its matrix-product buffers after each product instead of
+keeping them for the next (a few MiB that the prediction does not count; see
+docs/planner.md).
 
     python -m benchmarks.planner_oracle                 # the matrix, printed, JSON written
     python -m benchmarks.planner_oracle --full          # every combination (slow)
@@ -272,10 +275,11 @@ def _print_table(rows: list[dict], header: bool = True) -> dict:
     return worst
 
 
-def _write(path: Path, malloc: str, rows: list[dict]) -> None:
+def _write(path: Path, malloc: str, rows: list[dict], mkl_cache: bool = True) -> None:
     shapes = {k: {"gpt": asdict(c), "micro_batch": b} for k, (c, b) in SHAPES.items()}
     worst = max(rows, key=lambda r: abs(r["error"]))
     summary = {"malloc": malloc, "world": WORLD, "steps": STEPS, "shapes": shapes}
+    summary["mkl_cache"] = mkl_cache
     summary["worst_error"] = worst["error"]
     path.write_text(json.dumps({**summary, "rows": rows}, indent=2))
 
@@ -284,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="all 128 combinations")
     parser.add_argument("--default-malloc", action="store_true", help="glibc's default")
+    parser.add_argument(
+        "--mkl-cache-off",
+        action="store_true",
+        help="MKL_DISABLE_FAST_MM=1: MKL keeps no matrix-product buffers between products",
+    )
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument(
@@ -296,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         before = json.loads(Path(args.rescore).read_text())
         rows = [score(r) for r in before["rows"]]
         _print_table(rows)
-        _write(Path(args.rescore), before["malloc"], rows)
+        _write(Path(args.rescore), before["malloc"], rows, before.get("mkl_cache", True))
         print(f"rewrote {args.rescore} with today's predictions")
         return 0
     if args.default_malloc:
@@ -304,18 +313,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # Inherited by the spawned ranks: glibc reads it when a process starts.
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    if args.mkl_cache_off:
+        os.environ["MKL_DISABLE_FAST_MM"] = "1"  # read by MKL when a rank first uses it
     cases = [c for c in matrix(args.full) if args.only in c.name]
     print(f"{len(cases)} configurations, world {WORLD}, {STEPS} steps each", flush=True)
     print(HEADER, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     malloc = "default" if args.default_malloc else "mmap"
-    path = out / f"planner-oracle-{malloc}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    mkl = "-mkl-cache-off" if args.mkl_cache_off else ""
+    path = out / f"planner-oracle-{malloc}{mkl}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     rows: list[dict] = []
     for case in cases:
         rows.append(run_case(case))
         print(_row(rows[-1]), flush=True)
-        _write(path, malloc, rows)  # after every row: a stopped run keeps what it measured
+        # After every row: a stopped run keeps what it measured.
+        _write(path, malloc, rows, not args.mkl_cache_off)
     _print_table(rows, header=False)
     print(f"wrote {path}")
     return 0
