@@ -94,11 +94,14 @@ class SharedMemoryComm(OrderedCollectives):
         directory: str = "/dev/shm",
         timeout_s: float = WAIT_S,
     ):
-        if platform.machine().lower() not in X86:
-            raise ConfigError(
-                f"collectives: 'shm' needs an x86-64 host (its barrier relies on x86's store "
-                f"order); this one is {platform.machine()}"
-            )
+        machine = platform.machine()
+        unsupported = (
+            ""
+            if machine.lower() in X86
+            else f"'shm' needs an x86-64 host (its barrier relies on x86's store order); "
+            f"rank {dist.get_rank(group)} runs on {machine}"
+        )
+        _agree(unsupported, group)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

@@ -161,7 +161,12 @@ def build_node_groups(
     impl: str,
     interrupt: Interrupt | None = None,
 ) -> NodeGroups:
-    """Every rank of the default group must call this (``dist.new_group`` is collective)."""
+    """Every rank of the default group must call this (``dist.new_group`` is collective).
+
+    With ``impl="shm"`` the node groups keep the rings: only the engine's data-parallel
+    group maps shared segments, so the ledger's ``comm_buffers`` holds all of them."""
+    if impl == "shm":
+        impl = "auto"
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     nodes = world // ranks_per_node

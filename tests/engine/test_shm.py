@@ -181,3 +181,35 @@ def test_the_planner_counts_the_segments_as_the_ledger_does(stage):
         assert buffers == predicted.staging + predicted.ring
     ring = predict_peak(PeakConfig(cfg, stage=stage, dp=2))
     assert predicted.ring != ring.ring
+
+
+def _one_rank_not_x86() -> str:
+    from unittest import mock
+
+    machine = "aarch64" if dist.get_rank() == 1 else "x86_64"
+    with mock.patch("zeroservice.shm.platform.machine", return_value=machine):
+        try:
+            SharedMemoryComm(None, 1024)
+        except ConfigError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_a_host_that_is_not_x86_is_refused_on_every_rank():
+    for message in run_local(_one_rank_not_x86, 2):
+        assert "needs an x86-64 host" in message and "rank 1 runs on aarch64" in message
+
+
+def _node_groups_with_shm() -> dict:
+    from zeroservice.zeropp import build_node_groups
+
+    groups = build_node_groups(None, 2, CommLedger(), "shm")
+    out = {"local": groups.local.shm is None, "cross": groups.cross.shm is None}
+    groups.local.close()
+    groups.cross.close()
+    return out
+
+
+def test_node_groups_keep_rings_so_the_ledger_holds_every_segment():
+    for r in run_local(_node_groups_with_shm, 4):
+        assert r == {"local": True, "cross": True}
