@@ -101,21 +101,18 @@ class SharedMemoryComm(OrderedCollectives):
             else f"'shm' needs an x86-64 host (its barrier relies on x86's store order); "
             f"rank {dist.get_rank(group)} runs on {machine}"
         )
-        _agree(unsupported, group)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.half_bytes = half_bytes_for(self.world, max_chunk)
         self.timeout_s = timeout_s
         nbytes = HEADER_BYTES + 2 * self.half_bytes
-        self._segments = _map_segments(group, self.world, self.rank, nbytes, directory)
+        self._segments = _map_segments(group, self.world, self.rank, nbytes, directory, unsupported)
         self._flags = [s[:HEADER_BYTES].view(torch.int64).numpy() for s in self._segments]
         """Per rank: [0] the last barrier it reached, [1] its pid."""
-        self._flags[self.rank][1] = os.getpid()
         self._epoch = 0
         self._pass = 0
         self._stopping = False
-        _agree("", group)  # every pid written
         super().__init__("zeroservice-shm")
 
     @property
@@ -279,27 +276,31 @@ def _sum_into(out: torch.Tensor, terms: list[torch.Tensor]) -> None:
         out.add_(t)
 
 
-def _map_segments(group, world: int, rank: int, nbytes: int, directory: str) -> list[torch.Tensor]:
-    """Create this rank's segment, map every rank's, and unlink this rank's file.
+def _map_segments(
+    group, world: int, rank: int, nbytes: int, directory: str, problem: str = ""
+) -> list[torch.Tensor]:
+    """Create this rank's segment (its pid in the head), map every rank's, and unlink
+    this rank's file.
 
     Collective over ``group`` (its ranks call it together). Raises ConfigError on every
-    rank when one of them cannot see another's segment: the ranks are not on one host
-    (or do not share ``directory``)."""
+    rank when one of them has a ``problem`` already or cannot see another's segment: the
+    ranks are not on one host (or do not share ``directory``)."""
     names: list[str | None] = [secrets.token_hex(8) if rank == 0 else None]
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(names, src=src, group=group)
     paths = [Path(directory) / f"zeroservice-{names[0]}-{i}" for i in range(world)]
-    mine, problem = paths[rank], ""
+    mine = paths[rank]
     segments: list[torch.Tensor] = []
     try:
-        try:
-            fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if not problem:
             try:
-                os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not in a step
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            problem = f"rank {rank} cannot create {nbytes} bytes in {directory}: {exc}"
+                fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not in a step
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                problem = f"rank {rank} cannot create {nbytes} bytes in {directory}: {exc}"
         _agree(problem, group)
         missing = [i for i, p in enumerate(paths) if not p.exists()]
         if missing:
@@ -313,11 +314,12 @@ def _map_segments(group, world: int, rank: int, nbytes: int, directory: str) -> 
                 torch.from_file(str(p), shared=True, size=nbytes, dtype=torch.uint8) for p in paths
             ]
             segments[rank].zero_()  # touch every page now, not in the first step
+            segments[rank][:HEADER_BYTES].view(torch.int64)[1] = os.getpid()
             for s in segments:
                 s.max()
         except (OSError, RuntimeError) as exc:
             problem = f"rank {rank} cannot map the group's shared memory: {exc}"
-        _agree(problem, group)  # all mapped: the files can go
+        _agree(problem, group)  # all mapped, every pid written: the files can go
     finally:
         mine.unlink(missing_ok=True)
     return segments
