@@ -4,7 +4,8 @@
 Between ranks of one host, gloo moves every byte through TCP on the loopback: into a
 socket buffer, out of it, then (reducing) added, each step on a CPU the ranks' training
 also needs. Measured on a 2-core machine, world 2, 7.4 M fp32 elements: gloo's
-all_reduce 26-29 ms; copied through shared memory and summed there, 10-11 ms. With
+all_reduce 26-29 ms; copied through shared memory and summed there, 10-11 ms
+(``python -m benchmarks.collectives``). With
 ``collectives="shm"`` a group whose ranks all share one host runs these three
 collectives that way (``Communicator`` keeps tensors below ``SMALL_ELEMENTS`` and other
 ops on the backend).
