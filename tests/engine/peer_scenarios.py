@@ -15,7 +15,7 @@ import torch.distributed as dist
 import zeroservice
 from tests.checkpoint.scenarios import _train
 from tests.engine.scenarios import Spec, _batches, _model, engine_for
-from zeroservice.checkpoint import PeersIncomplete
+from zeroservice.checkpoint import PeersIncomplete, peers
 from zeroservice.checkpoint.manifest import step_dir_name
 from zeroservice.checkpoint.peers import ALIGN
 from zeroservice.checkpoint.save import per_element_kinds, snapshot_items
@@ -143,6 +143,7 @@ def _compare(
         except RuntimeError as exc:
             refused.append("RESTORED" in str(exc))
     result = restored.restore_from_peers(held)
+    load = restored.comm_ledger().entries.get(("recv", "load"))
     mine = captured(restored)
     loaded = _engine(spec, variant, **host(k))
     disk = loaded.load_checkpoint(Path(root) / step_dir_name(step))
@@ -166,6 +167,7 @@ def _compare(
         "frozen_units": len(mine["frozen"]),
         "losses": losses,
         "ref_losses": ref_losses,
+        "load_received": (load.calls, load.payload_bytes) if load is not None else (0, 0),
     }
 
 
@@ -285,9 +287,12 @@ def lost_neighbours(spec: Spec, leave: list[int], store: str, steps: int) -> dic
     return {"left": False, "error": error, "diffs": differences(before, captured(fresh))}
 
 
-def grow(spec: Spec, root: str, steps: int) -> dict:
+def grow(spec: Spec, root: str, steps: int, direct_bytes: int | None = None) -> dict:
     """Ranks 0 and 1 train on a group of their own (no redundancy) and hand their state
-    to a 3-rank engine that includes newcomer rank 2 (holding None)."""
+    to a 3-rank engine that includes newcomer rank 2 (holding None). ``direct_bytes``
+    overrides peers.DIRECT_BYTES (this model's slices are all below the default)."""
+    if direct_bytes is not None:
+        peers.DIRECT_BYTES = direct_bytes
     rank = dist.get_rank()
     old_group = dist.new_group([0, 1])
     held, ledger = None, None

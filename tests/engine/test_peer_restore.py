@@ -133,13 +133,31 @@ def test_an_interrupt_frees_ranks_blocked_on_a_silent_peer(tmp_path, collectives
         _assert_restored(r, 2)
 
 
-def test_grow_hands_newcomers_their_state(tmp_path):
-    results = run_local(ps.grow, 3, Spec(stage=2), str(tmp_path / "ckpt"), 3)
+def _grown(tmp_path, name: str, direct_bytes: int | None) -> tuple[int, int]:
+    """Grow 2 -> 3 (see ps.grow); the newcomer's (messages, bytes) received."""
+    results = run_local(ps.grow, 3, Spec(stage=2), str(tmp_path / name), 3, direct_bytes)
     for r in results:
         _assert_restored(r, 3)
     for r in results[:2]:  # redundancy "none": no copy held, no redundancy traffic
         assert r["ledger"]["held"] == 0 and "redundancy" not in r["ledger"]["tags"]
     assert results[2]["ledger"] is None
+    return results[2]["load_received"]
+
+
+def test_grow_hands_newcomers_their_state(tmp_path):
+    """This model's slices are all below DIRECT_BYTES: one packed message. (The
+    newcomer's last third of each unit lies in old rank 1's half: one holder serves it.)"""
+    calls, received = _grown(tmp_path, "ckpt", None)
+    assert calls == 1 and received > 0
+
+
+def test_grow_receives_large_slices_in_place(tmp_path):
+    """Every slice straight into place (threshold 1 byte), and a mix (1000 bytes): the
+    same state, the same bytes, one message per direct slice plus one packed."""
+    per_slice, received = _grown(tmp_path, "all", 1)
+    mixed, mixed_received = _grown(tmp_path, "mixed", 1000)
+    assert per_slice > 20 and 1 < mixed < per_slice, (per_slice, mixed)
+    assert mixed_received <= received  # packed slices pay alignment, direct ones do not
 
 
 def test_two_lost_neighbours_are_reported_and_change_nothing(tmp_path):

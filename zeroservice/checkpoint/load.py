@@ -49,6 +49,8 @@ class LoadResult:
 
 Read = tuple[dict[str, Any], int, int, int]
 """(segment, first element in the segment, end element, destination offset)."""
+Destination = tuple[dict[str, Any], int, int, torch.Tensor]
+"""(segment, first element, end element, the flat tensor those elements are written to)."""
 
 
 class Reader(Protocol):
@@ -101,23 +103,31 @@ class _Plan:
                 f"of {name} (a rank's file is not listed)"
             )
 
-    def needed(self) -> list[tuple[dict[str, Any], int, int]]:
-        """Every (segment, start, end) that ``run`` reads, in its order."""
-        out = [(seg, a, b) for reads in self.reads.values() for seg, a, b, _ in reads]
-        return out + [(seg, 0, seg["end"]) for _, seg in self.buffers]
+    def destinations(self, state: ShardedState) -> list[Destination]:
+        """(segment, start, end, the flat view of ``state``'s tensor it is written to)
+        for every read, buffers included, creating missing optimizer states: a reader
+        may fill them in place (peers.py)."""
+        out = []
+        for (unit_index, kind), reads in self.reads.items():
+            target = _target(state, unit_index, kind)
+            out += [(seg, a, b, target[dest : dest + (b - a)]) for seg, a, b, dest in reads]
+        return out + [(seg, 0, seg["end"], buf.detach().reshape(-1)) for buf, seg in self.buffers]
 
     def run(self, reader: Reader, apply: ShardedState | None) -> None:
-        """Read (and check) everything; with ``apply``, copy it into that state."""
+        """Read (and check) everything; with ``apply``, copy it into that state (not
+        where the reader returned the destination itself: it wrote it already)."""
         for (unit_index, kind), reads in self.reads.items():
             target = _target(apply, unit_index, kind) if apply is not None else None
             for seg, a, b, dest in reads:
                 what = f"{seg['kind']} of {seg['param']}"
                 data = reader.read(seg, a, b, what)
                 if target is not None:
-                    target[dest : dest + (b - a)].copy_(data)
+                    view = target[dest : dest + (b - a)]
+                    if data.data_ptr() != view.data_ptr() or data.dtype != view.dtype:
+                        view.copy_(data)
         for buffer, seg in self.buffers:
             data = reader.read(seg, 0, seg["end"], f"buffer {seg['param']}")
-            if apply is not None:
+            if apply is not None and data.data_ptr() != buffer.data_ptr():
                 with torch.no_grad():
                     buffer.copy_(data.view(buffer.shape))
 
@@ -225,12 +235,19 @@ def _restore_group_hyperparameters(state: ShardedState, manifest: dict[str, Any]
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
-def _apply(state: ShardedState, plan: _Plan, reader: Reader) -> None:
+def zero_masters(state: ShardedState) -> None:
+    """Before any master is written: the padding past the parameters stays zero."""
+    for master in state.masters:
+        master.data.zero_()
+
+
+def _apply(state: ShardedState, plan: _Plan, reader: Reader, zeroed: bool = False) -> None:
     """Write the checked checkpoint into ``state``'s tensors and this process's random
     generators (those of the old rank with this rank's index, where the source has
-    them); the engine then applies the counters and publishes the parameters."""
-    for master in state.masters:
-        master.data.zero_()  # padding stays zero
+    them); the engine then applies the counters and publishes the parameters.
+    ``zeroed``: the caller ran zero_masters before its reader wrote into them."""
+    if not zeroed:
+        zero_masters(state)
     plan.run(reader, apply=state)
     _restore_group_hyperparameters(state, plan.manifest)
     scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
