@@ -180,9 +180,13 @@ def shrink(
     save_at: list[int],
     steps: int,
     variant: str = "plain",
+    direct_bytes: int | None = None,
 ) -> dict:
     """Train ``steps`` with host copies (and disk saves at ``save_at``); the ranks in
-    ``leave`` die; the rest restore from peers at the new world size."""
+    ``leave`` die; the rest restore from peers at the new world size. ``direct_bytes``:
+    as in ``grow``."""
+    if direct_bytes is not None:
+        peers.DIRECT_BYTES = direct_bytes
     old_rank, world = dist.get_rank(), dist.get_world_size()
     engine = _engine(spec, variant, **host(k))
     ledger = []

@@ -99,10 +99,19 @@ def test_a_group_of_one_keeps_no_host_copy(tmp_path, stage):
     assert plan(1e6, dp=2, stage=stage, redundancy="host-copy").redundancy_host > 0
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_shrink_restores_frozen_weights_and_buffers(tmp_path, stage):
+@pytest.mark.parametrize(("stage", "direct_bytes"), [(1, None), (3, None), (3, 1)])
+def test_shrink_restores_frozen_weights_and_buffers(tmp_path, stage, direct_bytes):
+    """``direct_bytes`` 1: every slice from a peer, frozen shards and the buffer among
+    them, is received straight into place (see test_grow_receives_large_slices_in_place)."""
     store, root = str(tmp_path / "store"), str(tmp_path / "ckpt")
-    results = run_local(ps.shrink, 3, Spec(stage=stage), 1, [1], root, store, [3], 3, "frozen")
+    results = run_local(
+        ps.shrink, 3, Spec(stage=stage), 1, [1], root, store, [3], 3, "frozen", direct_bytes
+    )
+    if direct_bytes == 1:
+        # The lost rank's third is held by one survivor: the other receives its part of
+        # it, one message per slice (3 kinds x the units and frozen shards, the buffer).
+        received = sorted(r["load_received"][0] for r in (results[0], results[2]))
+        assert received[0] == 0 and received[1] > 10, received
     for r in (results[0], results[2]):
         _assert_restored(r, 3)
         assert r["ticks"] == [3.0] * 5  # the buffer at the step, not the fresh engine's
