@@ -455,6 +455,7 @@ class Engine:
             activations_peak=acts.peak_bytes if acts else 0,
             activation_arena=acts.arena_bytes if acts else 0,
             redundancy_host=self.host_copies.nbytes if self.host_copies else 0,
+            redundancy_spare=self.host_copies.spare_nbytes if self.host_copies else 0,
             secondary_params=(
                 self.gatherer.secondary.bytes if self.gatherer and self.gatherer.secondary else 0
             ),
@@ -537,8 +538,9 @@ class Engine:
         """The last complete host copy this rank holds (its own state and its ring
         neighbour's, at one step), or None (redundancy off, or before the first copy).
         It lives in host memory and stays valid after ``close()`` and after the process
-        group is destroyed: pass it to the new engine's ``restore_from_peers``."""
-        return self.host_copies.held if self.host_copies is not None else None
+        group is destroyed: pass it to the new engine's ``restore_from_peers``. Later
+        copies are written to other buffers (see [Note: reused copy buffers])."""
+        return self.host_copies.hand_out() if self.host_copies is not None else None
 
     def snapshot_now(self) -> PeerSnapshot:
         """This rank's own state at the current step boundary, in host memory (no

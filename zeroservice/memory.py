@@ -144,6 +144,10 @@ class MemoryLedger:
     redundancy_host: int = 0
     """Host bytes of the peers' redundancy copies this rank holds (its own state and its
     ring neighbour's, ``redundancy="host-copy"``); 0 without redundancy."""
+    redundancy_spare: int = 0
+    """Host bytes of the previous copies' buffers, kept for the next refresh to write
+    into (see [Note: reused copy buffers] in redundancy.py): as many as
+    ``redundancy_host`` from the second copy on."""
 
     secondary_params: int = 0
     """hpZ: bytes of the secondary shards held now (1/ranks_per_node of every unit a

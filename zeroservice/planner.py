@@ -159,6 +159,10 @@ class MemoryPlan:
     this rank's and its ring neighbour's (one whole copy at stage 0; none with N_d = 1):
     within 1% of the ledger's ``redundancy_host``, which adds the frozen shards, the
     buffers and each item's 8-byte alignment. Counted in ``host_total``."""
+    redundancy_spare: int = 0
+    """The previous copies' buffers, kept for the next refresh to write into (as many
+    bytes as ``redundancy_host``; the ledger's ``redundancy_spare`` from the second
+    copy on): a refresh holds both sets at once. Counted in ``host_total``."""
     secondary_params: int = 0
     """hpZ: the secondary shards, Ψ / ``ranks_per_node`` parameter bytes, held from the
     end of forward until backward ends (the ledger's ``secondary_peak``, which counts
@@ -289,8 +293,9 @@ def plan(
         comm_buffers=comm,
         gathered_params=gathered,
         device_total=model_states - moved + acts + comm + gathered + secondary + scratch,
-        host_total=host_states + acts_host + held,
+        host_total=host_states + acts_host + 2 * held,
         redundancy_host=held,
+        redundancy_spare=held,
         secondary_params=secondary,
         quantization_scratch=scratch,
     )

@@ -196,7 +196,8 @@ def shrink(
         _train(engine, spec, range(step, step + 1))
         if step + 1 in save_at:
             engine.save_checkpoint(root, keep=10)
-        snap = engine.peer_snapshot()
+        # Looked at, not handed out: the refreshes write into the spare's buffers.
+        snap = engine.host_copies.held
         assert snap is not None or (step + 1) % k
         neighbour_bytes: list = [None] * world
         dist.all_gather_object(neighbour_bytes, own_bytes(engine))
@@ -216,6 +217,8 @@ def shrink(
                 "received": _ledger(engine, "recv") - received,
                 "snap_sent": snap.sent_bytes if snap else None,
                 "own_copy": snap.copies[old_rank].nbytes if snap else None,
+                "spare": engine.memory_ledger().redundancy_spare,
+                "buffers": sorted(c.data.data_ptr() for c in snap.copies.values()) if snap else [],
             }
         )
     held = engine.peer_snapshot()
@@ -231,6 +234,33 @@ def shrink(
         return out | _compare(spec, k, held, root, expect, 2, variant)
     except PeersIncomplete as exc:
         return out | {"incomplete": str(exc)}
+
+
+def handed_out(steps: int) -> dict:
+    """A copy handed out by ``peer_snapshot`` is never written again, while the
+    refreshes after it still take copies; once the caller drops it, the spare forms
+    again."""
+    spec = Spec(stage=2)
+    engine = engine_for(spec, **host(1))
+    _train(engine, spec, range(1))
+    snap = engine.peer_snapshot()
+    assert snap is not None
+    kept = {r: c.data.clone() for r, c in snap.copies.items()}
+    _train(engine, spec, range(1, 1 + steps))
+    unchanged = all(torch.equal(snap.copies[r].data, kept[r]) for r in kept)
+    current = engine.host_copies.held
+    ours = {c.data.data_ptr() for c in snap.copies.values()}
+    out = {
+        "unchanged": unchanged,
+        "snap_step": snap.step,
+        "step_now": current.step,
+        "shared": bool(ours & {c.data.data_ptr() for c in current.copies.values()}),
+        "spare_while_kept": engine.memory_ledger().redundancy_spare,
+    }
+    del snap, current
+    _train(engine, spec, range(1 + steps, 3 + steps))
+    ledger = engine.memory_ledger()
+    return out | {"spare_after": ledger.redundancy_spare, "held": ledger.redundancy_host}
 
 
 def interrupted(spec: Spec, root: str, store: str, flag: str, steps: int) -> dict:

@@ -29,6 +29,15 @@ def _assert_restored(r: dict, step: int) -> None:
 
 def _assert_ledger(results: list[dict], stage: int, k: int) -> None:
     for rank, r in enumerate(results):
+        copies = [row for row in r["ledger"] if row["step"] >= k and row["step"] % k == 0]
+        for i, row in enumerate(copies):
+            # From the second copy on, the previous one is the spare, and each copy is
+            # written into the buffers of the one two refreshes before it.
+            assert row["spare"] == (0 if i == 0 else row["held"]), (i, row)
+            if i >= 2:
+                assert row["buffers"] == copies[i - 2]["buffers"], i
+            if i >= 1:
+                assert not set(row["buffers"]) & set(copies[i - 1]["buffers"]), i
         for row in r["ledger"]:
             if row["step"] < k:
                 assert row["held"] == 0 and row["sent"] == 0
@@ -96,7 +105,9 @@ def test_a_group_of_one_keeps_no_host_copy(tmp_path, stage):
     assert alone["sent_after"] == 0
     assert all(row["held"] > 0 for row in alone["ledger"])  # at world 2, every step
     assert plan(1e6, dp=1, stage=stage, redundancy="host-copy").redundancy_host == 0
-    assert plan(1e6, dp=2, stage=stage, redundancy="host-copy").redundancy_host > 0
+    planned = plan(1e6, dp=2, stage=stage, redundancy="host-copy")
+    assert planned.redundancy_host == planned.redundancy_spare > 0
+    assert planned.host_total == 2 * planned.redundancy_host  # a refresh holds both sets
 
 
 @pytest.mark.parametrize(("stage", "direct_bytes"), [(1, None), (3, None), (3, 1)])
@@ -117,6 +128,14 @@ def test_shrink_restores_frozen_weights_and_buffers(tmp_path, stage, direct_byte
         assert r["ticks"] == [3.0] * 5  # the buffer at the step, not the fresh engine's
         assert r["frozen_units"] >= 1
     _assert_ledger(results, stage, 1)
+
+
+def test_a_handed_out_copy_is_never_written_again():
+    for r in run_local(ps.handed_out, 2, 3):
+        assert r["unchanged"] and not r["shared"]
+        assert r["snap_step"] == 1 and r["step_now"] == 4
+        assert r["spare_while_kept"] > 0  # the copies after it still pair up
+        assert r["spare_after"] == r["held"] > 0
 
 
 def test_interval_two_loses_at_most_k_steps(tmp_path):

@@ -151,8 +151,14 @@ class PeerSnapshot:
         }
 
 
-def pack(rank: int, items: list[tuple[dict[str, Any], torch.Tensor]], rng) -> HeldCopy:
-    """Copy ``items`` (save.snapshot_items) into one aligned host buffer."""
+def pack(
+    rank: int,
+    items: list[tuple[dict[str, Any], torch.Tensor]],
+    rng,
+    into: torch.Tensor | None = None,
+) -> HeldCopy:
+    """Copy ``items`` (save.snapshot_items) into one aligned host buffer: ``into`` when
+    it has the size (see [Note: reused copy buffers] in redundancy.py), else a new one."""
     segments, offset = [], 0
     for meta, data in items:
         n = data.numel() * data.element_size()
@@ -161,17 +167,22 @@ def pack(rank: int, items: list[tuple[dict[str, Any], torch.Tensor]], rng) -> He
         offset = _aligned(offset + n)
     raws = [data.detach().reshape(-1).contiguous().view(torch.uint8) for _, data in items]
     buffer = _packed(
-        offset, [(seg["offset"], raw) for seg, raw in zip(segments, raws, strict=True)]
+        offset, [(seg["offset"], raw) for seg, raw in zip(segments, raws, strict=True)], into
     )
     return HeldCopy(rank, segments, buffer, rng)
 
 
-def _packed(total: int, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """A uint8 buffer of ``total`` bytes holding each (offset, bytes) piece, in order of
-    offset, with the alignment gaps between them zeroed. Not zero-filled first: each
-    byte is written once (a 267 M GPT's 3.2 GiB host copy, taken again in a warm
-    process: 1.44 s with the buffer zeroed first, 1.13 s without)."""
-    buffer = torch.empty(total, dtype=torch.uint8)
+def _packed(
+    total: int, pieces: list[tuple[int, torch.Tensor]], into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A uint8 buffer of ``total`` bytes (``into`` when it has the size) holding each
+    (offset, bytes) piece, in order of offset, with the alignment gaps between them
+    zeroed. Not zero-filled first: each byte is written once (a 267 M GPT's 3.2 GiB
+    host copy, taken again in a warm process: 1.44 s with the buffer zeroed first, 1.13
+    s without)."""
+    usable = into is not None and into.numel() == total and into.dtype == torch.uint8
+    buffer = into if usable else torch.empty(total, dtype=torch.uint8)
+    assert buffer is not None
     end = 0
     for offset, raw in pieces:
         buffer[end:offset].zero_()
@@ -181,9 +192,9 @@ def _packed(total: int, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     return buffer
 
 
-def take_copy(state: ShardedState) -> PeerSnapshot:
-    """This rank's own checkpoint items now, in host memory (no collective). Stage 0:
-    the whole state, as rank 0 would write it."""
+def take_copy(state: ShardedState, into: torch.Tensor | None = None) -> PeerSnapshot:
+    """This rank's own checkpoint items now, in host memory (no collective): in
+    ``into`` when it has the size. Stage 0: the whole state, as rank 0 would write it."""
     if state.pending_micro_steps:
         raise CheckpointError(
             f"snapshot: {state.pending_micro_steps} micro-batch(es) accumulated since the "
@@ -192,7 +203,7 @@ def take_copy(state: ShardedState) -> PeerSnapshot:
     kinds, scalars = per_element_kinds(state)
     writer = dataclasses.replace(state, rank=0) if state.whole else state
     # copy=False: pack() is the copy, one host buffer, with no second staging copy.
-    own = pack(state.rank, snapshot_items(writer, kinds, copy=False), rng_state())
+    own = pack(state.rank, snapshot_items(writer, kinds, copy=False), rng_state(), into)
     header = manifest_header(state, kinds, scalars, None)
     step, world = state.counters.global_steps, state.world
     return PeerSnapshot(step, world, state.rank, state.whole, header, {state.rank: own})
