@@ -25,8 +25,8 @@ import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
+
+from benchmarks.output import result_path
 
 GPTS = [  # vocab, seq_len, layers, heads, dim, micro-batch
     (1024, 128, 2, 2, 128, 4),
@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nlargest {worst / mib:.3f} MiB per product; peak.py counts "
         f"{BF16_KERNEL_BYTES / mib:.3f} MiB ({'above' if worst <= BF16_KERNEL_BYTES else 'BELOW'})"
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bf16-kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path(args.out, "bf16-kernels")
     path.write_text(json.dumps({"kernel_bytes": BF16_KERNEL_BYTES, "rows": rows}, indent=2))
     print(f"wrote {path}")
     return 0

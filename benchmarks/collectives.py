@@ -21,7 +21,8 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
+
+from benchmarks.output import result_path
 
 IMPLS = {
     "all_reduce": ("native", "shm"),
@@ -159,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'system':12s}" + "".join(f"{k:>11s}" for k in keys))
     for name, parts in result["phases"].items():
         print(f"{name:12s}" + "".join(f"{1e3 * parts[k]:11.1f}" for k in keys))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"collectives-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path(args.out, "collectives")
     path.write_text(json.dumps({"elements": args.elements, "world": 2, **result}, indent=2))
     print(f"\nwrote {path}")
     return 0

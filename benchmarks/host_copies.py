@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.output import result_path
 from benchmarks.recovery import MODELS
 
 MODES = ("none", "fresh", "reused")
@@ -98,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode:8s}{row['forward_backward_s']:11.2f}{row['step_s']:9.2f}"
             f"{row['peak_rss'] / 2**20:14.0f}{row['copies'] / 2**20:12.0f}"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"host-copies-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path(args.out, f"host-copies-{args.model}")
     record = {"model": args.model, "steps": args.steps, "summary": summary, "runs": runs}
     path.write_text(json.dumps(record, indent=2))
     print(f"\nwrote {path}")

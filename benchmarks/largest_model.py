@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
+from benchmarks.output import result_path
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
 from zeroservice.memory import process_status_kib
@@ -188,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f" x{psi / config(base).num_params():.1f}" if base and n else ""
             row += f"{f'{n} layers, {psi / 1e6:.1f}M{ratio}':>24}"
         print(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"largest-model-{args.budget_mib}mib-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path(args.out, f"largest-model-{args.budget_mib}mib")
     rows = [
         {"stage": s, "world": w, "n_layer": n, "params": config(n).num_params() if n else 0}
         for (s, w), n in table.items()

@@ -16,8 +16,8 @@ import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
+
+from benchmarks.output import result_path
 
 SHAPES = [(512, 384, 1152), (512, 384, 1536), (512, 1536, 384), (512, 384, 4096)]
 """(tokens, inputs, outputs) of each product, in the order run."""
@@ -60,9 +60,7 @@ def main() -> int:
     for (m, k, n), a, b in zip(SHAPES, on, off, strict=True):
         print(f"{f'{m} x {k} -> {n}':30s}{a:14.2f}{b:15.2f}")
     print(f"{'all':30s}{sum(on):14.2f}{sum(off):15.2f}")
-    out = Path("benchmarks/results")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"mkl-cache-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path("benchmarks/results", "mkl-cache")
     path.write_text(json.dumps({"shapes": SHAPES, "cache_on": on, "cache_off": off}, indent=2))
     print(f"wrote {path}")
     return 0

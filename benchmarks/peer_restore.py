@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.output import result_path
 from benchmarks.recovery import MODELS
 
 MODES = ("packed", "direct")
@@ -135,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode:8s}{row['holder_s']:10.2f}{row['newcomer_s']:12.2f}{row['messages']:6d}"
             f"{row['holder_rss'] / 2**20:13.0f}{row['newcomer_rss'] / 2**20:15.0f}"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"peer-restore-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path(args.out, f"peer-restore-{args.model}")
     record = {"model": args.model, "ballast_gib": args.ballast_gib, "summary": summary}
     path.write_text(json.dumps(record | {"runs": runs}, indent=2))
     print(f"\nwrote {path}")

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
+from benchmarks.output import result_path
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
 from zeroservice.memory import process_status_kib
@@ -318,11 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in matrix(args.full) if args.only in c.name]
     print(f"{len(cases)} configurations, world {WORLD}, {STEPS} steps each", flush=True)
     print(HEADER, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     malloc = "default" if args.default_malloc else "mmap"
     mkl = "-mkl-cache-off" if args.mkl_cache_off else ""
-    path = out / f"planner-oracle-{malloc}{mkl}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path(args.out, f"planner-oracle-{malloc}{mkl}")
     rows: list[dict] = []
     for case in cases:
         rows.append(run_case(case))
