@@ -76,10 +76,14 @@ class HostCopies:
             # of copying and the model states' bytes again.
             self.held = None
             return
-        reuse = dict(spare.copies) if spare is not None else {}
-        snapshot = take_copy(state, into=_buffer(reuse.pop(spare.own, None) if spare else None))
+        own_into = neighbour_into = None
+        if spare is not None:
+            own_into = spare.copies[spare.own].data
+            others = [c.data for r, c in spare.copies.items() if r != spare.own]
+            neighbour_into = others[0] if others else None
+        snapshot = take_copy(state, into=own_into)
         if not state.whole and state.world > 1:
-            neighbour = self._exchange(snapshot, _buffer(next(iter(reuse.values()), None)))
+            neighbour = self._exchange(snapshot, neighbour_into)
             snapshot.copies[neighbour.rank] = neighbour
         previous, self.held = self.held, snapshot  # swapped only once complete
         handed_out = self._handed_out() if self._handed_out is not None else None
@@ -116,7 +120,3 @@ class HostCopies:
         snapshot.sent_bytes = sizes.numel() * 8 + len(meta) + own.nbytes
         got = json.loads(bytes(their_meta.numpy()))
         return HeldCopy(got["rank"], got["segments"], their_data, got["rng"])
-
-
-def _buffer(copy: HeldCopy | None) -> torch.Tensor | None:
-    return copy.data if copy is not None else None

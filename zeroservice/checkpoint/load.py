@@ -123,7 +123,7 @@ class _Plan:
                 data = reader.read(seg, a, b, what)
                 if target is not None:
                     view = target[dest : dest + (b - a)]
-                    if data.data_ptr() != view.data_ptr() or data.dtype != view.dtype:
+                    if data.data_ptr() != view.data_ptr():
                         view.copy_(data)
         for buffer, seg in self.buffers:
             data = reader.read(seg, 0, seg["end"], f"buffer {seg['param']}")

@@ -28,7 +28,7 @@ share one packed message per pair of ranks (one message instead of thousands on 
 model of many small tensors). Both sides order the messages alike from the gathered
 requests: the packed one first, then the large ones in request order. A newcomer
 taking half of a 267 M GPT's stage-2 states (1.5 GiB) restored in 7.6 s with every
-slice packed, 1.7 s so, and each side's peak is 1.5 GiB lower (the packed and the
+slice packed, 1.7 s this way, and each side's peak is 1.5 GiB lower (the packed and the
 staging buffer; ``benchmarks/peer_restore.py``). Since data lands in the engine as it
 arrives, a transfer that fails part-way leaves the engine partly written: the caller
 falls back to a checkpoint, whose load rewrites every byte, as after any failure here.
