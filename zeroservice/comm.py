@@ -241,7 +241,7 @@ class Communicator:
     With ``interrupt`` (engines pass theirs) every wait on gloo can be given up from
     another thread (see [Note: interrupting a collective] in
     interrupt.py); without, native ops are waited for on the caller's thread, which
-    costs no waiter thread (the model-parallel groups: their jobs restart whole).
+    costs no waiter thread (a model-parallel group outside an engine).
     """
 
     def __init__(

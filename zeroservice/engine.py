@@ -134,9 +134,14 @@ class Engine:
         self.quant_scratch = Scratch()
         """qwZ/qgZ send and receive buffers (the memory ledger's ``quantization_scratch``)."""
         self.mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
-        self.mp = MPGroup(mp_group) if self.mp_size > 1 else None
+        self.mp = MPGroup(mp_group, self._interrupt) if self.mp_size > 1 else None
         """The engine's own MP collectives (the gradient norm, P_a's gathers), with their
         ledger (``mp_ledger``); the model's tensor-parallel layers keep theirs."""
+        self._model_mp_comms = [g.comm for g in _mp_groups_of(module) if g.size > 1]
+        """The model's tensor-parallel communicators, given this engine's Interrupt until
+        close (see MPGroup); the newest engine over a model holds them."""
+        for mp_comm in self._model_mp_comms:
+            mp_comm.interrupt = self._interrupt
         sharded_names = {n for n, p in module.named_parameters() if is_mp_sharded(p)}
         deferred = construct.is_deferred(module)
         if callable(init) and not deferred:
@@ -286,11 +291,6 @@ class Engine:
         """With ``redundancy="host-copy"``: this rank's and its neighbour's state in host
         memory, refreshed every ``redundancy_interval`` steps (redundancy.py)."""
         if config.redundancy == "host-copy":
-            if self.mp_size > 1:
-                raise ConfigError(
-                    "redundancy: 'host-copy' is not supported with model parallelism "
-                    f"(mp = {self.mp_size}); use checkpoints"
-                )
             self.host_copies = HostCopies(config.redundancy_interval, self.comm)
         self._saves = 0
         self._pending_save: SaveHandle | None = None
@@ -560,16 +560,12 @@ class Engine:
         """Restore the newest step the ranks' host copies cover, from memory (a
         collective over this engine's DP group; a newcomer passes None). Raises
         PeersIncomplete, changing nothing, when old ranks are missing: then load a
-        checkpoint."""
-        from .checkpoint import CheckpointError
+        checkpoint. With model parallelism each slice restores over its own DP group,
+        and the slices first agree on one step (see [Note: restore from peers])."""
         from .checkpoint.peers import restore_from_peers
 
-        if self.mp_size > 1:
-            raise CheckpointError(
-                f"restore_from_peers: not supported with model parallelism (mp = "
-                f"{self.mp_size}); load a checkpoint"
-            )
-        result = restore_from_peers(self._sharded_state(), held, self.comm)
+        slices = self.mp_group if self.mp_size > 1 else None
+        result = restore_from_peers(self._sharded_state(), held, self.comm, slices=slices)
         self._restore(result.counters)
         if self.host_copies is not None:  # a second failure finds a copy at once
             self.host_copies.refresh(self._sharded_state())
@@ -697,6 +693,9 @@ class Engine:
             self._checkpointer.remove()
         if self.gatherer is not None:
             self.gatherer.close()
+        for mp_comm in self._model_mp_comms:
+            if mp_comm.interrupt is self._interrupt:
+                mp_comm.interrupt = None
         self.comm.close()
         if self.node_groups is not None:
             self.node_groups.local.close()
@@ -722,3 +721,11 @@ def _replicated_ranges(unit: FlatUnit, sharded: set[str]) -> list[tuple[int, int
         if a < b:
             ranges.append((a - lo, b - lo))
     return ranges
+
+
+def _mp_groups_of(module: nn.Module) -> list[MPGroup]:
+    """The distinct MPGroups the model's tensor-parallel layers hold."""
+    groups = {
+        id(g): g for m in module.modules() if isinstance(g := getattr(m, "mp", None), MPGroup)
+    }
+    return list(groups.values())

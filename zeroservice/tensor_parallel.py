@@ -27,17 +27,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .interrupt import Interrupt
 
 
 class MPGroup:
-    """The model-parallel group and a ledger of what its collectives moved."""
+    """The model-parallel group and a ledger of what its collectives moved.
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    An engine built over the model attaches its Interrupt to every MPGroup of the
+    model (``Engine.interrupt`` then ends their waits too) and detaches it on close: a
+    rank whose MP partner left a step part-way would otherwise wait in a tensor-
+    parallel all-reduce for the group's timeout, and the group could not re-form."""
+
+    def __init__(self, group: dist.ProcessGroup | None, interrupt: Interrupt | None = None):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ledger = comm.CommLedger()
-        self.comm = comm.Communicator(group, self.ledger, "native")
+        self.comm = comm.Communicator(group, self.ledger, "native", interrupt=interrupt)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:

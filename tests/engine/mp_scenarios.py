@@ -8,9 +8,11 @@ so the global batch and its mean loss are the same.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 import zeroservice
 from tests.engine import harness
@@ -37,11 +39,16 @@ class MPSpec:
     """Extra ZeroConfig fields (activation checkpointing, offload, buckets...)."""
 
 
-def build(spec: MPSpec):
+def build(spec: MPSpec, restored: bool = False):
+    """``restored``: built as a re-forming rank builds it, without initial weights."""
     topo = zeroservice.build_topology(spec.mp)
     torch.manual_seed(1234)
     cfg = GPTConfig(**TINY_MP, tie_weights=spec.tie)
-    model = GPT(cfg, MPGroup(topo.mp_group) if spec.mp > 1 else None)
+    if restored:
+        with zeroservice.deferred_init():
+            model = GPT(cfg, MPGroup(topo.mp_group) if spec.mp > 1 else None)
+    else:
+        model = GPT(cfg, MPGroup(topo.mp_group) if spec.mp > 1 else None)
     config = ZeroConfig(
         stage=spec.stage,
         precision=spec.precision,
@@ -51,7 +58,11 @@ def build(spec: MPSpec):
         **spec.engine,
     )
     engine = zeroservice.initialize(
-        model, config, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1), topology=topo
+        model,
+        config,
+        lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
+        topology=topo,
+        init=zeroservice.RESTORED if restored else None,
     )
     return topo, engine
 
@@ -161,3 +172,160 @@ def load_state(spec: MPSpec, root: str) -> dict:
     state = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()
     return {"state": state, "step": result.step}
+
+
+# -- live resize from peers' host copies, with model parallelism -------------------------
+
+
+def _train_steps(spec: MPSpec, topo, engine, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        (x, y), *_ = batches(spec, topo, step)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _regroup(members: list[int], store: str) -> None:
+    """Leave the old group; form one of ``members`` (old global ranks, in order)."""
+    old = dist.get_rank()
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, len(members)),
+        rank=members.index(old),
+        world_size=len(members),
+    )
+
+
+def peer_shrink(spec: MPSpec, root: str, store: str, leave: int, stale_slice: int | None) -> dict:
+    """MP × DP with host copies trains ``spec.steps`` steps (a checkpoint after the
+    last); the replica ``leave`` (its MP ranks) goes; the others re-form at one replica
+    fewer and restore from host memory, then train 2 more steps beside an engine that
+    loaded the checkpoint. ``stale_slice``: that MP slice's survivors pass the copy of
+    one step before (the slices disagree)."""
+    from tests.engine.peer_scenarios import captured, differences
+    from zeroservice.checkpoint import PeersIncomplete
+
+    host = {"redundancy": "host-copy", "redundancy_interval": 1}
+    spec = dataclasses.replace(spec, engine={**spec.engine, **host})
+    topo, engine = build(spec)
+    _train_steps(spec, topo, engine, range(spec.steps - 1))
+    before = engine.peer_snapshot()  # handed out: never written again
+    _train_steps(spec, topo, engine, range(spec.steps - 1, spec.steps))
+    engine.save_checkpoint(root, keep=5)
+    held = engine.peer_snapshot()
+    ledger = engine.memory_ledger()
+    kept = {"held_before": ledger.redundancy_host, "psi_padded": ledger.psi_padded}
+    if stale_slice is not None and topo.mp_rank == stale_slice:
+        held = before
+    engine.close()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if rank // spec.mp == leave:
+        dist.destroy_process_group()
+        return {"left": True} | kept
+    _regroup([r for r in range(world) if r // spec.mp != leave], store)
+    topo, restored = build(spec, restored=True)
+    out: dict = {"left": False, "dp": topo.dp, "mp_rank": topo.mp_rank} | kept
+    try:
+        result = restored.restore_from_peers(held)
+    except PeersIncomplete as exc:
+        restored.close()
+        return out | {"error": str(exc)}
+    mine = captured(restored)
+    _, loaded = build(spec)
+    disk = loaded.load_checkpoint(root)
+    ref = captured(loaded)
+    more = range(result.step, result.step + 2)
+    return out | {
+        "step": result.step,
+        "disk_step": disk.step,
+        "diffs": differences(mine, ref),
+        "losses": _train_steps(spec, topo, restored, more),
+        "ref_losses": _train_steps(spec, topo, loaded, more),
+        "held_after": restored.memory_ledger().redundancy_host,
+    }
+
+
+def peer_grow(spec: MPSpec, root: str, store: str) -> dict:
+    """One replica (ranks 0..mp-1) trains with host copies and saves; a second replica
+    joins; the first hands it its shards (``snapshot_now``), and both equal an engine
+    that loaded the checkpoint at the larger world, then train alike."""
+    from tests.engine.peer_scenarios import captured, differences
+
+    host = {"redundancy": "host-copy", "redundancy_interval": 1}
+    spec = dataclasses.replace(spec, engine={**spec.engine, **host})
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dist.destroy_process_group()
+    held = None
+    if rank < spec.mp:  # the first replica alone
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store + "-one", spec.mp), rank=rank, world_size=spec.mp
+        )
+        topo, engine = build(spec)
+        _train_steps(spec, topo, engine, range(spec.steps))
+        engine.save_checkpoint(root, keep=5)
+        held = engine.snapshot_now()
+        engine.close()
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    topo, restored = build(spec, restored=True)
+    result = restored.restore_from_peers(held)
+    mine = captured(restored)
+    _, loaded = build(spec)
+    disk = loaded.load_checkpoint(root)
+    ref = captured(loaded)
+    more = range(result.step, result.step + 2)
+    return {
+        "dp": topo.dp,
+        "step": result.step,
+        "disk_step": disk.step,
+        # A newcomer has no old rank's generators to take (as at MP 1).
+        "diffs": differences(mine, ref, rng=held is not None),
+        "losses": _train_steps(spec, topo, restored, more),
+        "ref_losses": _train_steps(spec, topo, loaded, more),
+    }
+
+
+def interrupted_mp(spec: MPSpec, flag: str) -> dict:
+    """MP 2, DP 1: rank 1 stops taking part after a step but stays alive; rank 0's
+    next forward waits in a tensor-parallel all-reduce until another thread calls
+    ``Engine.interrupt``, then raises CommInterrupted. Closing the engine hands the
+    model's MP communicators back (no Interrupt). Rank 1 waits for ``flag`` (bounded)
+    so that its exit cannot end rank 0's wait."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from zeroservice.interrupt import CommInterrupted
+
+    topo, engine = build(spec)
+    _train_steps(spec, topo, engine, range(1))
+    groups = [getattr(m, "mp", None) for m in engine.module.modules()]
+    model_comms = list({id(g): g.comm for g in groups if isinstance(g, MPGroup)}.values())
+    attached = all(c.interrupt is not None for c in model_comms)
+    if topo.mp_rank == 1:
+        deadline = time.monotonic() + 120
+        while not Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"left": True}
+    timer = threading.Timer(0.5, engine.interrupt, args=("rank 1 lost",))
+    timer.start()
+    try:
+        _train_steps(spec, topo, engine, range(1, 2))
+        raised = None
+    except CommInterrupted as exc:
+        raised = f"CommInterrupted: {exc}"
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    timer.join()
+    engine.close()
+    Path(flag).touch()
+    return {
+        "left": False,
+        "raised": raised,
+        "attached": attached and len(model_comms) > 0,
+        "detached": all(c.interrupt is None for c in model_comms),
+    }

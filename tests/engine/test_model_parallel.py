@@ -229,3 +229,59 @@ def test_checkpoint_per_mp_slice_resumes_and_reshards_dp(tmp_path):
     # The MP degree cannot change: refused with both degrees named.
     refused = run_local(load_state, 2, MPSpec(1, 1), root)
     assert "saved with model-parallel degree 2; this engine has mp = 1" in refused[0]["error"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_live_shrink_restores_every_slice_from_peers(tmp_path, stage):
+    """MP 2 × DP 2 with host copies loses replica 1 (both its MP ranks): each slice's
+    survivor restores from its own and its neighbour's copy, exactly as the checkpoint
+    of the same step loads at DP 1, and trains on alike (fp32: bit for bit)."""
+    from tests.engine.mp_scenarios import peer_shrink
+
+    root, store = str(tmp_path / "ckpt"), str(tmp_path / "store")
+    results = run_local(peer_shrink, WORLD, MPSpec(stage, 2, steps=3), root, store, 1, None)
+    assert [r["left"] for r in results] == [False, False, True, True]
+    for r in results[:2]:
+        assert r["dp"] == 1 and r["step"] == r["disk_step"] == 3
+        assert r["diffs"] == [], r["diffs"]
+        assert r["losses"] == r["ref_losses"]
+        assert r["held_after"] == 0  # a group of one keeps no copy
+    for r in results:  # each rank's copies: its slice's share, own and neighbour's
+        planned = plan(r["psi_padded"], dp=2, stage=stage, redundancy="host-copy")
+        assert abs(r["held_before"] - planned.redundancy_host) <= planned.redundancy_host // 100
+
+
+def test_slices_at_different_steps_refuse_alike(tmp_path):
+    """Slice 1's survivor holds the copy of a step before slice 0's: no model exists at
+    one step, so both raise PeersIncomplete (the caller loads a checkpoint)."""
+    from tests.engine.mp_scenarios import peer_shrink
+
+    root, store = str(tmp_path / "ckpt"), str(tmp_path / "store")
+    results = run_local(peer_shrink, WORLD, MPSpec(2, 2, steps=3), root, store, 1, 1)
+    for r in results[:2]:
+        assert "host copies are at different steps (by slice: [3, 2])" in r["error"], r
+
+
+def test_live_grow_hands_a_new_replica_its_slices(tmp_path):
+    """A replica (MP 2) joins one that trained alone: the new MP ranks receive their
+    slices' shards from the old ones, equal to the checkpoint loaded at DP 2."""
+    from tests.engine.mp_scenarios import peer_grow
+
+    root, store = str(tmp_path / "ckpt"), str(tmp_path / "store")
+    for r in run_local(peer_grow, WORLD, MPSpec(2, 2, steps=3), root, store):
+        assert r["dp"] == 2 and r["step"] == r["disk_step"] == 3
+        assert r["diffs"] == [], r["diffs"]
+        assert r["losses"] == r["ref_losses"]
+
+
+def test_an_interrupt_frees_a_rank_blocked_in_a_tensor_parallel_collective(tmp_path):
+    """A rank whose MP partner stopped mid-step waits in the model's all-reduce; the
+    engine's interrupt ends that wait at once (else: the group's timeout, 120 s here),
+    and closing the engine detaches the model's communicators from it."""
+    from tests.engine.mp_scenarios import interrupted_mp
+
+    flag = str(tmp_path / "flag")
+    first, second = run_local(interrupted_mp, 2, MPSpec(2, 2), flag, timeout_s=120)
+    assert second["left"]
+    assert first["raised"] == "CommInterrupted: collective abandoned: rank 1 lost", first
+    assert first["attached"] and first["detached"]

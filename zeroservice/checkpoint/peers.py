@@ -20,6 +20,14 @@ over the new group:
    asked for (see below); a rank holding the data reads it locally;
 5. load._apply writes the rest of the state, as a file load would.
 
+With model parallelism every MP slice is a sharded state of its own over its DP group
+(as its checkpoint is, under ``mp-RR-of-MM``), and each slice runs the steps above over
+that group. A slice's copies may stand at another step than another slice's (a rank
+lost during a refresh: some slices swapped to the new copy, some did not), and a
+model whose slices are at different steps is no model: between steps 2 and 3 the
+slices exchange their verdicts over the MP group, and unless every slice found the
+same step, every rank of every slice raises PeersIncomplete, having changed nothing.
+
 [Note: slices straight into place]
 A slice of at least DIRECT_BYTES travels as a message of its own: the holder sends a
 view of its host copy and the requester receives into the very tensor the slice
@@ -351,19 +359,49 @@ def _exchange(
     return fetched
 
 
+def _agree_across_slices(step: int | None, why: str, slices) -> None:
+    """Raise PeersIncomplete on every rank unless every MP slice chose one step
+    (collective over ``slices``, the model-parallel group). See [Note: restore from
+    peers]."""
+    verdicts: list[Any] = [None] * dist.get_world_size(slices)
+    dist.all_gather_object(verdicts, (step, why), group=slices)
+    lacking = [f"model-parallel slice {i}: {w}" for i, (s, w) in enumerate(verdicts) if s is None]
+    if lacking:
+        raise PeersIncomplete("; ".join(lacking))
+    steps = [s for s, _ in verdicts]
+    if len(set(steps)) > 1:
+        raise PeersIncomplete(
+            f"<peers>: the model-parallel slices' host copies are at different steps "
+            f"(by slice: {steps}); load a checkpoint instead"
+        )
+
+
 def restore_from_peers(
-    state: ShardedState, held: PeerSnapshot | None, comm: Communicator, tag: str = "load"
+    state: ShardedState,
+    held: PeerSnapshot | None,
+    comm: Communicator,
+    tag: str = "load",
+    slices=None,
 ) -> LoadResult:
-    """Collective over ``state.group`` (the new group): restore ``state`` from what the
-    ranks hold. See [Note: restore from peers]. The caller applies the counters and
-    publishes the parameters, as after ``load_checkpoint``."""
+    """Collective over ``state.group`` (the new group) and ``slices`` (the model-
+    parallel group, with MP): restore ``state`` from what the ranks hold. See [Note:
+    restore from peers]. The caller applies the counters and publishes the parameters,
+    as after ``load_checkpoint``."""
     if state.pending_micro_steps:
         raise CheckpointError("restore: gradients are being accumulated; restore between steps")
     group = state.group
     catalog = held.catalog() if held is not None else None
     catalogs: list[Any] = [None] * state.world
     dist.all_gather_object(catalogs, catalog, group=group)
-    manifest, serve = _choose(catalogs)
+    try:
+        manifest, serve = _choose(catalogs)
+    except PeersIncomplete as exc:
+        if slices is None:
+            raise
+        _agree_across_slices(None, str(exc), slices)  # raises: this slice lacks
+        raise
+    if slices is not None:
+        _agree_across_slices(manifest["step"], "", slices)
     error, plan = None, None
     try:
         _check_optimizer(state, manifest, PEERS)
