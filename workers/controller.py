@@ -20,12 +20,12 @@ job_states.py) and the allowed moves (workers.state.TRANSITIONS):
               (after the last step, the save alone, up to FINAL_SAVE_TRIES times)
 
 [Note: live resize]
-With ``engine.redundancy: host-copy`` (and mp 1) a lost or stalled rank does not
-restart the job: its process is killed, the others' calls end (their collectives
-fail), and the same rank actors re-form a smaller group (a fresh rendezvous) and
-restore the training state from host memory: each rank's last copy of its own shards
-and its neighbour's (zeroservice/redundancy.py). At most ``redundancy_interval`` steps
-are trained again and no file is read. When the survivors lack a lost rank's shards
+With ``engine.redundancy: host-copy`` a lost or stalled rank does not restart the
+job: its process is killed, the others' calls end (their collectives fail), and the
+same rank actors re-form a smaller group (a fresh rendezvous) and restore the training
+state from host memory: each rank's last copy of its own shards and its neighbour's
+(zeroservice/redundancy.py). At most ``redundancy_interval`` steps are trained again
+and no file is read. When the survivors lack a lost rank's shards
 (two neighbours lost at once) every rank loads the newest checkpoint instead, still in
 place; when a survivor does not come back or the re-formed group fails to start, the
 job restarts from the checkpoint as before. Either way the event says which. Growth is
@@ -35,7 +35,11 @@ actor is started on every usable vacant seat while the group trains, and at the 
 step boundary where newcomers are up they join and the others hand them their shards
 (copied at that boundary, so nothing is trained again). A re-forming rank builds its
 new engine without initial weights (``zeroservice.RESTORED``; the state arrives from
-the peers or the checkpoint), and a group of one keeps no host copy.
+the peers or the checkpoint), and a group of one keeps no host copy. With model
+parallelism a replica is whole or gone: a lost rank's MP partners are stopped with it,
+the group re-forms at one replica fewer, and each MP slice restores over its own DP
+group, the slices agreeing on one step first; growth seats whole replicas, the ``mp``
+newcomers of each in one bundle (one node), as placement does.
 
     running   lost / stalled, live → resizing (``Regrouping``): drop the lost
               ranks, re-form → running | resizing (restart from the checkpoint)
@@ -170,7 +174,7 @@ class JobController:
         """Resizes keep the rank actors and restore from host memory (see [Note: live
         resize]); otherwise every resize restarts from the checkpoint."""
         redundancy = getattr(self.spec.zero_config(), "redundancy", "none")
-        return redundancy != "none" and self.spec.resources.mp == 1
+        return redundancy != "none"
 
     def _next(self, state: State) -> State:
         if isinstance(state, Queued):
@@ -443,16 +447,22 @@ class JobController:
     def _interrupted(self, group: WorkerGroup, stop: Interrupted) -> State:
         lost = stop.why in (Interruption.LOST, Interruption.STALLED)
         mp = self.spec.resources.mp
-        if lost and self.live and (group.world - len(stop.ranks)) // mp >= 1:
+        replicas = sorted({r // mp for r in stop.ranks})
+        if lost and self.live and group.dp - len(replicas) >= 1:
             restarted = self._restart(stop.why.value, stop.message, ranks=stop.ranks)
             if isinstance(restarted, Failed):
                 group.shutdown(clean=False)
                 return restarted
+            # A replica is whole or gone: a lost rank's MP partners leave with it.
+            leaving = [r for r in range(group.world) if r // mp in replicas]
+            without = (
+                f"rank(s) {leaving}" if mp == 1 else f"replica(s) {replicas} (ranks {leaving})"
+            )
             return Regrouping(
                 group=group,
-                lost=sorted(stop.ranks),
+                lost=leaving,
                 reason=stop.why.value,
-                message=f"re-forming without rank(s) {sorted(stop.ranks)}: {stop.message}",
+                message=f"re-forming without {without}: {stop.message}",
             )
         group.shutdown(clean=False)
         if stop.why is Interruption.CANCELLED:

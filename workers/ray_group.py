@@ -97,11 +97,20 @@ def short(exc: BaseException | None, limit: int = 600) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Seat:
-    """A bundle of one of the group's placements: where a rank actor runs (compared
-    and hashed by identity: each bundle has one Seat)."""
+    """Where one rank actor runs: a bundle of one of the group's placements. A bundle
+    holds a replica, so it has ``mp`` seats (compared and hashed by identity)."""
 
     placement: Placement
     bundle: int
+
+
+def whole_replicas(seats: list[Seat], mp: int) -> list[list[Seat]]:
+    """``seats`` grouped by bundle, keeping the bundles with ``mp`` of them (a replica
+    is seated whole, on one node), ``mp`` seats each, in order."""
+    by_bundle: dict[tuple[int, int], list[Seat]] = {}
+    for seat in seats:
+        by_bundle.setdefault((id(seat.placement), seat.bundle), []).append(seat)
+    return [group[:mp] for group in by_bundle.values() if len(group) >= mp]
 
 
 class RayWorkerGroup:
@@ -243,45 +252,42 @@ class RayWorkerGroup:
         return True
 
     def vacancies(self) -> int:
-        """Vacant seats whose newcomer is up. A newcomer is started on every usable
-        vacancy as soon as it is seen, so that growing waits for no actor's start (the
-        group trains meanwhile)."""
+        """Vacant replicas whose ``mp`` newcomers are all up. A newcomer is started on
+        every usable vacant seat as soon as it is seen, so that growing waits for no
+        actor's start (the group trains meanwhile)."""
         for seat in self.usable_vacancies():
             if seat not in self.spares and self.start_actor is not None:
                 actor = self.start_actor(seat)
                 self.spares[seat] = (actor, actor.address.remote())
-        ready = 0
+        return len(self._ready_replicas())
+
+    def _ready_replicas(self) -> list[list[Seat]]:
+        """The seats of each vacant bundle whose ``mp`` newcomers are up (a newcomer
+        that died starting is let go: its seat is tried again later)."""
+        ready: list[Seat] = []
         for seat, (actor, ref) in list(self.spares.items()):
             done, _ = ray.wait([ref], timeout=0)
             if not done:
                 continue
             try:
                 ray.get(ref)
-                ready += 1
-            except Exception:  # it died starting: the seat is tried again later
+                ready.append(seat)
+            except Exception:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
                 del self.spares[seat]
-        return ready
+        return whole_replicas(ready, self.mp)
 
     def take_spares(self, count: int) -> int:
-        """Seat up to ``count`` newcomers that are up; returns how many."""
-        taken = 0
-        for seat, (actor, ref) in list(self.spares.items()):
-            if taken == count:
-                break
-            done, _ = ray.wait([ref], timeout=0)
-            if not done:
-                continue
-            try:
-                address = ray.get(ref)
-            except Exception:
-                continue
-            del self.spares[seat]
-            self.vacant.remove(seat)
-            self.add(actor, seat, address)
-            taken += 1
-        return taken
+        """Seat the newcomers of up to ``count`` replicas that are up; returns how many
+        replicas."""
+        replicas = self._ready_replicas()[:count]
+        for seats in replicas:
+            for seat in seats:
+                actor, ref = self.spares.pop(seat)
+                self.vacant.remove(seat)
+                self.add(actor, seat, ray.get(ref))
+        return len(replicas)
 
     def usable_vacancies(self) -> list[Seat]:
         """Vacant seats whose bundle sits on a live node (a seat whose node was removed
@@ -399,11 +405,17 @@ class RayWorkerPool:
             for pg_id, placement in placements.items()
             for b in range(placement.dp)
         }
-        held = [seats[tuple(members[r][1]["seat"])] for r in range(world)]
+        mp = self.spec.resources.mp
+        keys = [tuple(members[r][1]["seat"]) for r in range(world)]
+        held = [Seat(seats[k].placement, seats[k].bundle) for k in keys]
         group = self._group(held[0].placement, [actors[n] for n in chosen])
         group.placements = list(placements.values())
         group.seats = held
-        group.vacant = [seat for seat in seats.values() if seat not in set(held)]
+        group.vacant = [
+            Seat(seat.placement, seat.bundle)
+            for key, seat in seats.items()
+            for _ in range(mp - keys.count(key))
+        ]
         group.dp = world // self.spec.resources.mp
         group.addresses = ray.get([a.address.remote() for a in group.actors], timeout=timeout)
         return group
@@ -438,8 +450,9 @@ class RayWorkerPool:
         )
 
     def reserve(self, group: RayWorkerGroup, count: int) -> None:
-        short = count - len(group.vacant)
-        if short <= 0 or self.spec.resources.mp != 1 or self.available() < 1:
+        mp = self.spec.resources.mp
+        short = count - len(group.vacant) // mp
+        if short <= 0 or self.available() < 1:
             return
         extra = place(
             self.job_id,
@@ -452,41 +465,47 @@ class RayWorkerPool:
         )
         if extra is not None:
             group.placements.append(extra)
-            group.vacant += [Seat(extra, b) for b in range(extra.dp)]
+            group.vacant += [Seat(extra, b) for b in range(extra.dp) for _ in range(mp)]
 
     def extend(self, group: RayWorkerGroup, count: int, wait_s: float) -> int:
         """Newcomers for a live grow: on the group's usable vacancies first, then on a
         placement taken for them. Their names carry a fresh attempt; a supervisor lost
         after a live resize finds the group by asking its members (see ``adopt``)."""
-        attempt = uuid.uuid4().hex[:8]
+        attempt, mp = uuid.uuid4().hex[:8], self.spec.resources.mp
         added = group.take_spares(count)
-        seats = [s for s in group.usable_vacancies() if s not in group.spares]
-        seats = seats[: count - added]
-        if added + len(seats) < count and self.spec.resources.mp == 1:
+        free = [s for s in group.usable_vacancies() if s not in group.spares]
+        replicas = whole_replicas(free, mp)[: count - added]
+        if added + len(replicas) < count:
             extra = place(
                 self.job_id,
                 self.spec.resources,
                 1,
-                count - added - len(seats),
+                count - added - len(replicas),
                 wait_s=5.0,
                 settle_s=0.0,
                 name=grow_placement_name(self.job_id, attempt),
             )
             if extra is not None:
                 group.placements.append(extra)
-                seats += [Seat(extra, b) for b in range(extra.dp)]
-        for seat in seats:
-            rank = group.world
-            actor = self._actor(seat, rank_name(self.job_id, attempt, rank, 0), rank)
+                fresh = [[Seat(extra, b) for _ in range(mp)] for b in range(extra.dp)]
+                group.vacant += [seat for seats in fresh for seat in seats]
+                replicas += fresh
+        for seats in replicas:
+            ranks = range(group.world, group.world + mp)
+            actors = [
+                self._actor(seat, rank_name(self.job_id, attempt, rank, 0), rank)
+                for seat, rank in zip(seats, ranks, strict=True)
+            ]
             try:
-                address = ray.get(actor.address.remote(), timeout=min(wait_s, 30.0))
-            except Exception:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
+                addresses = ray.get([a.address.remote() for a in actors], timeout=min(wait_s, 30.0))
+            except Exception:  # the replica's seats stay vacant, tried again later
+                for actor in actors:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor, no_restart=True)
                 continue
-            if seat in group.vacant:
+            for seat, actor, address in zip(seats, actors, addresses, strict=True):
                 group.vacant.remove(seat)
-            group.add(actor, seat, address)
+                group.add(actor, seat, address)
             added += 1
         return added
 

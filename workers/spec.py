@@ -332,11 +332,6 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _parallel_fits_model(self) -> JobSpec:
         mp = self.resources.mp
-        if mp > 1 and self.engine.get("redundancy", "none") != "none":
-            raise ValueError(
-                "engine.redundancy: host copies (live resizes) need resources.mp 1; a "
-                "model-parallel job restarts from its checkpoint"
-            )
         if mp > 1:
             if not isinstance(self.model, GPTModelSpec):
                 raise ValueError(

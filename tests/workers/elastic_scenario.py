@@ -8,7 +8,9 @@ node back and grows to dp 2. Prints a JSON summary on its last line.
 before the node is removed, one rank's process is SIGKILLed on a node that stays, and
 the job shrinks and grows back into the lost rank's own seat. ``... live shm``: the
 same with ``engine.collectives: shm`` (the simulated nodes share this host's
-``/dev/shm``), so the killed rank dies in the middle of shared-memory collectives."""
+``/dev/shm``), so the killed rank dies in the middle of shared-memory collectives.
+``... live mp``: the job is model-parallel (mp 2, one replica of two ranks per node);
+the killed rank's replica leaves whole and comes back whole."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import signal
 import sys
 
 
-def main(live: bool, shm: bool = False) -> dict:
+def main(live: bool, shm: bool = False, mp: bool = False) -> dict:
     from workers.cluster import SimulatedCluster
 
     with SimulatedCluster(nodes=2, cpus_per_node=2) as sim:
@@ -33,9 +35,12 @@ def main(live: bool, shm: bool = False) -> dict:
             engine["redundancy"] = "host-copy"
         if shm:
             engine["collectives"] = "shm"
+        resources = {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 2}
+        if mp:
+            resources |= {"mp": 2, "cpus_per_rank": 1}
         spec = tiny_job(
             steps=100_000,  # runs until the shrink and the growth were seen, then cancelled
-            resources={"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 2},
+            resources=resources,
             checkpoint={"interval_steps": 10},
             engine=engine,
         )
@@ -48,7 +53,11 @@ def main(live: bool, shm: bool = False) -> dict:
             return ray.get(handle.events.remote())
 
         def explain():
-            return (status(), events()[-6:], ray.available_resources())
+            return (
+                status(),
+                [e for e in events() if e["kind"] != "checkpoint"][-8:],
+                ray.available_resources(),
+            )
 
         wait_for(lambda: status()["step"] >= 10, 180, "a checkpoint", explain)
         ranks = ray.get(handle.ranks.remote())
@@ -58,12 +67,13 @@ def main(live: bool, shm: bool = False) -> dict:
             return sum(e["kind"] == kind and e["reason"] == reason for e in events())
 
         if live:  # a rank's process killed on a node that stays: shrink, then grow back
-            os.kill(ranks[0]["pid"], signal.SIGKILL)
+            os.kill(ranks[1 if mp else 0]["pid"], signal.SIGKILL)  # mp: rank 0's partner
             wait_for(lambda: count("resize", "grown") == 1, 180, "the grow-back", explain)
         shrinks = count("resize", "shrunk")
         sim.remove_node(sim.nodes[1])
         wait_for(lambda: count("resize", "shrunk") > shrinks, 180, "the shrink", explain)
         dp_after_shrink = status()["dp"]
+        world_after_shrink = len(ray.get(handle.ranks.remote()))
         sim.add_node(num_cpus=2)
         grows = 1 if live else 0
         wait_for(lambda: count("resize", "grown") > grows, 240, "the growth", explain)
@@ -79,6 +89,8 @@ def main(live: bool, shm: bool = False) -> dict:
             "dp_after_shrink": dp_after_shrink,
             "events": events(),
             "status": status(),
+            "world_after_shrink": world_after_shrink,
+            "ranks_after": ray.get(handle.ranks.remote()),
             "losses": sorted(int(s) for s in ray.get(handle.losses.remote())),
             "history": [p["step"] for p in ray.get(handle.history.remote())],
             "stopped": stop("elastic"),
@@ -87,4 +99,5 @@ def main(live: bool, shm: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(live="live" in sys.argv[1:], shm="shm" in sys.argv[1:])))
+    args = sys.argv[1:]
+    print(json.dumps(main(live="live" in args, shm="shm" in args, mp="mp" in args)))

@@ -339,9 +339,9 @@ def test_callbacks_see_every_move():
 # -- live resize: see [Note: live resize] -------------------------------------------------
 
 
-def _live_job(**overrides):
+def _live_job(resources=None, **overrides):
     engine = {"stage": 2, "bucket_elements": 4096, "redundancy": "host-copy"}
-    resources = {"dp": 2, "min_dp": 1, "max_dp": 2}
+    resources = {"dp": 2, "min_dp": 1, "max_dp": 2, **(resources or {})}
     return tiny_job(steps=12, engine=engine, resources=resources, **overrides)
 
 
@@ -460,3 +460,37 @@ def test_a_failed_regroup_restarts_from_the_checkpoint():
     assert _steps(ctl, 1) == [(Resizing, Running)] and ctl.record.step == 4
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 2
+
+
+def test_a_model_parallel_replica_leaves_whole_and_comes_back_whole():
+    """MP 2: rank 3 is lost, so its partner rank 2 (the same replica) is stopped with
+    it; the group re-forms at one replica from host memory, and when capacity returns a
+    whole replica (two newcomers) joins at a step boundary."""
+    script = Script(kill={(1, 3, 6)}, redundancy=1)
+    pool = scripted_pool(script, capacity=2, mp=2)
+    ctl = _controller(_live_job(resources={"mp": 2}), pool)
+    assert _steps(ctl, 4)[3:] == [(Running, Regrouping)]
+    assert ctl.state.message.startswith("re-forming without replica(s) [1] (ranks [2, 3]): lost")
+    assert _steps(ctl, 1) == [(Regrouping, Running)]
+    assert ctl.group.dp == 1 and ctl.group.world == 2 and ctl.state.step == 5
+    assert len(script.living) == 2 and pool.attempts == 1  # rank 2 closed, none started
+    (restart,) = _events(ctl, "restart")
+    assert restart["ranks"] == [3]
+    regrouped = _events(ctl, "placed")[-1]
+    assert "2 ranks (dp 2 -> 1) in place from host memory at step 5" in regrouped["message"]
+    assert _steps(ctl, 2) == [(Running, Regrouping), (Regrouping, Running)]  # the seat is free
+    assert ctl.group.dp == 2 and ctl.group.world == 4 and len(script.living) == 4
+    assert [e["reason"] for e in _events(ctl, "resize")] == ["shrunk", "grown"]
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and ctl.record.restarts == 1
+    assert sorted(ctl.record.losses) == list(range(1, 13))
+
+
+def test_losing_every_replica_restarts_from_the_checkpoint():
+    """MP 2 at DP 1 (min_dp 1): the lost rank's replica is the only one, so nothing is
+    left to re-form: the job restarts from the checkpoint."""
+    script = Script(kill={(1, 0, 6)}, redundancy=1)
+    pool = scripted_pool(script, capacity=1, mp=2)
+    ctl = _controller(_live_job(resources={"mp": 2, "dp": 1, "max_dp": 1}), pool)
+    assert _steps(ctl, 5)[3:] == [(Running, Resizing), (Resizing, Running)]
+    assert ctl.group.dp == 1 and ctl.state.step == 4 and pool.attempts == 2

@@ -48,14 +48,22 @@ def test_node_removed_shrinks_and_node_added_grows_back():
     assert result["stopped"] == "cancelled"
 
 
-@pytest.mark.parametrize("collectives", ["auto", "shm"])
-def test_live_resizes_keep_the_ranks_and_read_no_checkpoint(collectives):
+@pytest.mark.parametrize("variant", ["auto", "shm", "mp"])
+def test_live_resizes_keep_the_ranks_and_read_no_checkpoint(variant):
     """With host copies a killed rank and a removed node each shrink the group in place,
     and the lost seat or the returned node grows it back in place: the job's ranks are
     started once, every resize restores from host memory, and no step is missing from
     the history. Also with collectives through shared memory: a survivor waiting at a
-    barrier for the killed rank gives up as it would on gloo."""
-    result = _scenario("live", *(["shm"] if collectives == "shm" else []))
+    barrier for the killed rank gives up as it would on gloo. And model-parallel (mp
+    2): a replica leaves whole (the killed rank's partner with it) and comes back
+    whole, two newcomers on one node."""
+    result = _scenario("live", *([variant] if variant != "auto" else []))
+    if variant == "mp":
+        assert result["world_after_shrink"] == 2
+        ranks = result["ranks_after"]
+        assert len(ranks) == 4
+        for replica in (ranks[:2], ranks[2:]):  # each replica's two ranks on one node
+            assert len({r["node_id"] for r in replica}) == 1, ranks
     log = result["events"]
     placed = [e for e in log if e["kind"] == "placed"]
     assert [e["reason"] for e in placed].count("started") == 1

@@ -53,10 +53,6 @@ def _error(body) -> str:
         ({"engine": {"partition_activations": True}}, "partition_activations"),
         ({"engine": {"redundancy": "mirror"}}, "engine.redundancy"),
         ({"engine": {"redundancy_interval": 0}}, "engine.redundancy_interval"),
-        (
-            {"resources": {"mp": 2}, "engine": {"redundancy": "host-copy"}},
-            "engine.redundancy: host copies (live resizes) need resources.mp 1",
-        ),
         ({"data": {"kind": "text"}}, "data.path: required"),
         ({"data": {"kind": "synthetic", "path": "x"}}, "synthetic data reads no file"),
         ({"optimizer": {"lr": -1}}, "optimizer.lr"),
