@@ -107,6 +107,8 @@ class RankWorker:
         """The history points the loaded checkpoint carries (see ``RankSetup.history``)."""
         self._store: dist.TCPStore | None = None
         """The rendezvous this rank opened for the next group (``open_rendezvous``)."""
+        self._left: list[tuple[float, Any]] = []
+        """Groups left, kept until their timeout has passed (see ``_leave``)."""
         _warm_up()
         # The objects of start-up (torch's and Ray's modules: about 285,000) live as
         # long as the process: frozen, the cyclic collector no longer walks them, and
@@ -188,8 +190,9 @@ class RankWorker:
         """Re-form the job's group at another size without leaving the process.
 
         See [Note: live resize] in workers/controller.py. The state to go on from is
-        held in host memory: after a lost peer, the engine's last redundant copy (its
-        own shards and its neighbour's); to grow, every member alive at a step
+        held in host memory: after a lost peer, the engine's last redundant copies (its
+        own shards and its neighbour's, at the last refresh and the one before: see
+        ``Engine.peer_snapshots``); to grow, every member alive at a step
         boundary, a copy taken now. A newcomer holds nothing. The new engine is
         restored from what the members hold together; when that lacks a lost rank's
         shards (no redundancy, or two neighbours lost), every rank loads the newest
@@ -201,7 +204,13 @@ class RankWorker:
             self._membership = None  # until the re-formed group is ready
             laps, held = Laps(), None
             if self.engine is not None:
-                held = self.engine.snapshot_now() if grow else self.engine.peer_snapshot()
+                if grow:
+                    held = self.engine.snapshot_now()
+                elif world > 1 or self.spec.resources.mp > 1:
+                    # Several holders may stand at two steps (a refresh cut short).
+                    held = self.engine.peer_snapshots()
+                else:  # a lone survivor: its last copy is whole; the spare only costs
+                    held = self.engine.peer_snapshot()  # memory while it re-forms
                 laps.lap("snapshot")
                 self._leave()
             elif dist.is_initialized():
@@ -232,9 +241,24 @@ class RankWorker:
             return setup
 
     def _leave(self) -> None:
-        """Drop the engine and the group (a peer may be gone: errors are moot)."""
+        """Drop the engine and the group (a peer may be gone: errors are moot).
+
+        [Note: groups left are kept]
+        The old groups' objects (the world's and the topology's DP and MP groups) are
+        kept until the group's timeout has passed since leaving. A collective given up
+        after a lost peer (see zeroservice/interrupt.py) may still occupy one of a gloo
+        group's worker threads, and destroying the group's last reference joins those
+        threads: a model-parallel survivor whose partner left a tensor-parallel all-
+        reduce half done blocked there, in the next ``build_topology``, until the
+        re-forming timed out. By the deadline the abandoned collective has timed out
+        and the group is let go without waiting."""
         self._drop_engine()
+        now = time.monotonic()
+        self._left = [(t, kept) for t, kept in self._left if t > now]
         if dist.is_initialized():
+            world = dist.group.WORLD
+            deadline = now + self._group_timeout().total_seconds() + 5.0
+            self._left.append((deadline, (world, getattr(self, "topo", None))))
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 

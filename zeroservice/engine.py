@@ -540,7 +540,16 @@ class Engine:
         It lives in host memory and stays valid after ``close()`` and after the process
         group is destroyed: pass it to the new engine's ``restore_from_peers``. Later
         copies are written to other buffers (see [Note: reused copy buffers])."""
-        return self.host_copies.hand_out() if self.host_copies is not None else None
+        copies = self.host_copies.hand_out() if self.host_copies is not None else []
+        return copies[0] if copies else None
+
+    def peer_snapshots(self) -> list[PeerSnapshot]:
+        """Every complete host copy this rank holds, newest first: the last one and the
+        one before it (see [Note: reused copy buffers]); none is written again. What a
+        surviving rank passes to ``restore_from_peers``: when a peer was lost during a
+        refresh, the survivors may stand at two steps, and the one before is the
+        newest they cover together."""
+        return self.host_copies.hand_out(with_spare=True) if self.host_copies is not None else []
 
     def snapshot_now(self) -> PeerSnapshot:
         """This rank's own state at the current step boundary, in host memory (no
@@ -556,9 +565,10 @@ class Engine:
             )
         return take_copy(self._sharded_state())
 
-    def restore_from_peers(self, held: PeerSnapshot | None) -> LoadResult:
+    def restore_from_peers(self, held: PeerSnapshot | list[PeerSnapshot] | None) -> LoadResult:
         """Restore the newest step the ranks' host copies cover, from memory (a
-        collective over this engine's DP group; a newcomer passes None). Raises
+        collective over this engine's DP group; ``held``: the copies this rank holds,
+        ``peer_snapshots()`` or ``peer_snapshot()``; a newcomer passes None). Raises
         PeersIncomplete, changing nothing, when old ranks are missing: then load a
         checkpoint. With model parallelism each slice restores over its own DP group,
         and the slices first agree on one step (see [Note: restore from peers])."""

@@ -19,8 +19,16 @@ writing to fresh memory, whose first touch costs page faults and, on a node shor
 free memory, the kernel's reclaim. On the 267 M GPT at stage 2, N_d = 2, the optimizer
 step with its copy took 5.3 s into fresh buffers and 2.3 s into reused ones (0.7 s
 with no copy; the peak resident memory the same, 9.1 GiB; ``python -m
-benchmarks.host_copies``). A copy handed out by ``hand_out`` (Engine.peer_snapshot) is
-never written again: it does not become the spare.
+benchmarks.host_copies``). A copy handed out by ``hand_out`` (Engine.peer_snapshot,
+Engine.peer_snapshots) is never written again: it does not become the spare, and a
+spare handed out is not written into.
+
+The spare is a complete copy of the step before (K steps before) as long as no refresh
+has begun writing into it: a refresh takes it out of ``_spare`` first, so a refresh cut
+short (a peer lost mid-exchange) leaves no spare behind. That is why the spare is
+offered to a restore beside the current copy (``peer_snapshots``): a rank lost during
+a refresh can leave some survivors swapped to the new copy and others not, and the
+step before is then the newest one they hold together.
 """
 
 from __future__ import annotations
@@ -45,8 +53,8 @@ class HostCopies:
         self.interval, self.comm = interval, comm
         self.held: PeerSnapshot | None = None
         self._spare: PeerSnapshot | None = None
-        self._handed_out: weakref.ref[PeerSnapshot] | None = None
-        """Weak: once the caller drops the copy, it is not kept alive here."""
+        self._handed_out: list[weakref.ref[PeerSnapshot]] = []
+        """Weak: once the caller drops a copy, it is not kept alive here."""
 
     @property
     def nbytes(self) -> int:
@@ -58,10 +66,16 @@ class HostCopies:
         """Host bytes of the spare's buffers, kept for the next refresh to write into."""
         return self._spare.nbytes if self._spare is not None else 0
 
-    def hand_out(self) -> PeerSnapshot | None:
-        """The current copy, for a caller that keeps it: never written again."""
-        self._handed_out = weakref.ref(self.held) if self.held is not None else None
-        return self.held
+    def hand_out(self, with_spare: bool = False) -> list[PeerSnapshot]:
+        """The current copy (and, ``with_spare``, the spare: the step before), newest
+        first, for a caller that keeps them: never written again."""
+        copies = [c for c in (self.held, self._spare if with_spare else None) if c is not None]
+        self._handed_out = [r for r in self._handed_out if r() is not None]
+        self._handed_out += [weakref.ref(c) for c in copies if not self._is_handed_out(c)]
+        return copies
+
+    def _is_handed_out(self, copy: PeerSnapshot) -> bool:
+        return any(r() is copy for r in self._handed_out)
 
     def after_step(self, state: ShardedState) -> None:
         """Refresh after every ``interval``-th step (a collective on the DP group)."""
@@ -77,7 +91,7 @@ class HostCopies:
             self.held = None
             return
         own_into = neighbour_into = None
-        if spare is not None:
+        if spare is not None and not self._is_handed_out(spare):
             own_into = spare.copies[spare.own].data
             others = [c.data for r, c in spare.copies.items() if r != spare.own]
             neighbour_into = others[0] if others else None
@@ -86,8 +100,7 @@ class HostCopies:
             neighbour = self._exchange(snapshot, neighbour_into)
             snapshot.copies[neighbour.rank] = neighbour
         previous, self.held = self.held, snapshot  # swapped only once complete
-        handed_out = self._handed_out() if self._handed_out is not None else None
-        if previous is not None and previous is not handed_out:
+        if previous is not None and not self._is_handed_out(previous):
             self._spare = previous
 
     def _exchange(self, snapshot: PeerSnapshot, into: torch.Tensor | None) -> HeldCopy:

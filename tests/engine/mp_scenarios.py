@@ -200,26 +200,38 @@ def _regroup(members: list[int], store: str) -> None:
     )
 
 
-def peer_shrink(spec: MPSpec, root: str, store: str, leave: int, stale_slice: int | None) -> dict:
+def peer_shrink(
+    spec: MPSpec, root: str, store: str, leave: int, stale_slice: int | None, spare: bool = False
+) -> dict:
     """MP × DP with host copies trains ``spec.steps`` steps (a checkpoint after the
     last); the replica ``leave`` (its MP ranks) goes; the others re-form at one replica
     fewer and restore from host memory, then train 2 more steps beside an engine that
-    loaded the checkpoint. ``stale_slice``: that MP slice's survivors pass the copy of
-    one step before (the slices disagree)."""
+    loaded the checkpoint. ``stale_slice``: that MP slice's survivors pass the copies
+    of one step before (as if their last refresh was cut short), and the checkpoint is
+    of that step. ``spare``: the survivors offer the copy before their last too
+    (``peer_snapshots``)."""
     from tests.engine.peer_scenarios import captured, differences
     from zeroservice.checkpoint import PeersIncomplete
 
     host = {"redundancy": "host-copy", "redundancy_interval": 1}
     spec = dataclasses.replace(spec, engine={**spec.engine, **host})
     topo, engine = build(spec)
+
+    def copies():
+        return engine.peer_snapshots() if spare else engine.peer_snapshot()
+
     _train_steps(spec, topo, engine, range(spec.steps - 1))
-    before = engine.peer_snapshot()  # handed out: never written again
+    stale = stale_slice is not None and topo.mp_rank == stale_slice
+    before = copies() if stale else None  # handed out: never written again
+    if stale_slice is not None:
+        engine.save_checkpoint(root, keep=5)
     _train_steps(spec, topo, engine, range(spec.steps - 1, spec.steps))
-    engine.save_checkpoint(root, keep=5)
-    held = engine.peer_snapshot()
+    if stale_slice is None:
+        engine.save_checkpoint(root, keep=5)
+    held = copies()
     ledger = engine.memory_ledger()
     kept = {"held_before": ledger.redundancy_host, "psi_padded": ledger.psi_padded}
-    if stale_slice is not None and topo.mp_rank == stale_slice:
+    if stale:
         held = before
     engine.close()
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -360,3 +360,32 @@ def snapshot_mid_accumulation() -> list[str]:
         except RuntimeError as exc:
             out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def cut_refresh(spec: Spec, root: str, store: str, steps: int, spare: bool) -> dict:
+    """World 3: rank 2 is lost during the refresh after step ``steps``, which rank 1
+    completed (its copies: steps ``steps`` and the one before) and rank 0 did not (it
+    passes its copies as they stood one step earlier). Neither step's last copies
+    cover every old rank, but with ``spare`` (Engine.peer_snapshots) the step before
+    is covered: rank 0's last copy and rank 1's spare. A checkpoint of that step is
+    the reference."""
+    old_rank = dist.get_rank()
+    engine = engine_for(spec, **host(1))
+
+    def copies():
+        return engine.peer_snapshots() if spare else engine.peer_snapshot()
+
+    _train(engine, spec, range(steps - 1))
+    engine.save_checkpoint(root, keep=10)
+    earlier = copies() if old_rank == 0 else None
+    _train(engine, spec, range(steps - 1, steps))
+    held = earlier if old_rank == 0 else copies()
+    engine.close()
+    if old_rank == 2:
+        dist.destroy_process_group()
+        return {"left": True}
+    _rejoin([0, 1], old_rank, store)
+    try:
+        return {"left": False} | _compare(spec, 1, held, root, steps - 1, 2)
+    except PeersIncomplete as exc:
+        return {"left": False, "error": str(exc)}

@@ -252,14 +252,29 @@ def test_live_shrink_restores_every_slice_from_peers(tmp_path, stage):
 
 
 def test_slices_at_different_steps_refuse_alike(tmp_path):
-    """Slice 1's survivor holds the copy of a step before slice 0's: no model exists at
-    one step, so both raise PeersIncomplete (the caller loads a checkpoint)."""
+    """Slice 1's survivor holds only the copy of a step before slice 0's: no model
+    exists at one step, so both raise PeersIncomplete (the caller loads a checkpoint)."""
     from tests.engine.mp_scenarios import peer_shrink
 
     root, store = str(tmp_path / "ckpt"), str(tmp_path / "store")
     results = run_local(peer_shrink, WORLD, MPSpec(2, 2, steps=3), root, store, 1, 1)
     for r in results[:2]:
-        assert "host copies are at different steps (by slice: [3, 2])" in r["error"], r
+        assert "host copies share no step (steps by slice: [[3], [2]])" in r["error"], r
+
+
+def test_slices_at_different_steps_meet_at_the_copy_before(tmp_path):
+    """The same, with each survivor offering its copy before the last too (the spare,
+    ``peer_snapshots``): slice 0 holds steps 3 and 2, slice 1 steps 2 and 1, and both
+    restore step 2, exactly as its checkpoint loads."""
+    from tests.engine.mp_scenarios import peer_shrink
+
+    root, store = str(tmp_path / "ckpt"), str(tmp_path / "store")
+    results = run_local(peer_shrink, WORLD, MPSpec(2, 2, steps=3), root, store, 1, 1, True)
+    for r in results[:2]:
+        assert "error" not in r, r.get("error")
+        assert r["step"] == r["disk_step"] == 2
+        assert r["diffs"] == [], r["diffs"]
+        assert r["losses"] == r["ref_losses"]
 
 
 def test_live_grow_hands_a_new_replica_its_slices(tmp_path):

@@ -211,3 +211,23 @@ def test_config_checks_redundancy_fields():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="^redundancy_interval:"):
             ZeroConfig(redundancy_interval=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_a_refresh_cut_short_restores_the_step_before_from_the_spares(tmp_path, spare):
+    """Rank 2 lost mid-refresh: rank 1 swapped to the new copies, rank 0 did not. Their
+    last copies alone cover no step (each lacks an old rank at the other's step); with
+    the copies before offered too (``peer_snapshots``) the step before is covered, and
+    restores exactly."""
+    root, store = str(tmp_path / "ckpt"), str(tmp_path / "store")
+    results = run_local(ps.cut_refresh, 3, Spec(stage=2), root, store, 3, spare)
+    assert results[2]["left"]
+    for r in results[:2]:
+        if not spare:
+            assert (
+                "no step at which the survivors' host copies cover every old rank" in r["error"]
+            ), r
+            continue
+        assert "error" not in r, r["error"]
+        assert r["step"] == r["disk_step"] == 2
+        assert r["diffs"] == [] and r["losses"] == r["ref_losses"]

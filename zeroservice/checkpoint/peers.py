@@ -7,8 +7,11 @@ header and the rank's random generators. After a failure the survivors (and any
 newcomers) form a new group and build a new engine; ``restore_from_peers`` then runs
 over the new group:
 
-1. every rank all-gathers a catalog of what it holds (step, old world, which old
-   ranks' segments: metadata, not data);
+1. every rank all-gathers a catalog of what it holds (per copy: step, old world,
+   which old ranks' segments: metadata, not data); a survivor offers its last copy
+   and the one before it (Engine.peer_snapshots), so that a peer lost during a
+   refresh, which leaves some survivors swapped to the new copy and some not, still
+   leaves a step they cover together;
 2. the newest step whose holdings cover every old rank is chosen (a stage-0 copy is
    whole: any holder covers all); if none, every rank raises PeersIncomplete naming
    the missing old ranks, having changed nothing;
@@ -22,11 +25,12 @@ over the new group:
 
 With model parallelism every MP slice is a sharded state of its own over its DP group
 (as its checkpoint is, under ``mp-RR-of-MM``), and each slice runs the steps above over
-that group. A slice's copies may stand at another step than another slice's (a rank
+that group. A slice's copies may stand at other steps than another slice's (a rank
 lost during a refresh: some slices swapped to the new copy, some did not), and a
-model whose slices are at different steps is no model: between steps 2 and 3 the
-slices exchange their verdicts over the MP group, and unless every slice found the
-same step, every rank of every slice raises PeersIncomplete, having changed nothing.
+model whose slices are at different steps is no model: in step 2 the slices exchange
+the steps each covers over the MP group and take the newest they all cover; when
+there is none, every rank of every slice raises PeersIncomplete, having changed
+nothing.
 
 [Note: slices straight into place]
 A slice of at least DIRECT_BYTES travels as a message of its own: the holder sends a
@@ -217,32 +221,45 @@ def take_copy(state: ShardedState, into: torch.Tensor | None = None) -> PeerSnap
     return PeerSnapshot(step, world, state.rank, state.whole, header, {state.rank: own})
 
 
-def _choose(catalogs: list[dict[str, Any] | None]) -> tuple[dict[str, Any], dict[int, int]]:
-    """The newest (step, world) fully covered, and for each old rank the new rank that
-    serves it. Raises PeersIncomplete (the same on every rank: all see the catalogs)."""
-    by_key: dict[tuple[int, int], list[int]] = {}
-    for new, cat in enumerate(catalogs):
-        if cat is not None:
-            by_key.setdefault((cat["step"], cat["world"]), []).append(new)
-    if not by_key:
-        raise PeersIncomplete("<peers>: no rank holds a host copy; load a checkpoint")
-    missing_at: list[str] = []
+Key = tuple[int, int]
+"""(step, old world) of a host copy."""
+
+
+def _covered(
+    catalogs: list[list[dict[str, Any]]],
+) -> tuple[list[tuple[Key, dict[str, Any], dict[int, int]]], list[str]]:
+    """Every (step, world) the ranks' copies cover fully, newest first, each with its
+    manifest and, for each old rank, the new rank that serves it; and, for the others,
+    which old ranks are missing. The same on every rank: all see the catalogs."""
+    by_key: dict[Key, dict[int, dict[str, Any]]] = {}
+    for new, held in enumerate(catalogs):
+        for cat in held:
+            by_key.setdefault((cat["step"], cat["world"]), {})[new] = cat
+    covered, missing_at = [], []
     for step, world in sorted(by_key, reverse=True):
-        holders = by_key[(step, world)]
-        cats: dict[int, dict[str, Any]] = {n: catalogs[n] for n in holders}  # type: ignore[misc]
+        cats = by_key[(step, world)]
+        holders = sorted(cats)
         if cats[holders[0]]["whole"]:
             serve = {cats[holders[0]]["own"]: holders[0]}
-            return _manifest(cats, step, world, serve), serve
+            covered.append(((step, world), _manifest(cats, step, world, serve), serve))
+            continue
         # Each old rank from its own process if it survived, else the lowest new rank.
         serve = {cats[n]["own"]: n for n in holders}
         for new in holders:
             for old in cats[new]["copies"]:
                 serve.setdefault(old, new)
         missing = [r for r in range(world) if r not in serve]
-        if not missing:
-            return _manifest(cats, step, world, serve), serve
-        missing_at.append(f"step {step} (world {world}): old ranks {missing} missing")
-    raise PeersIncomplete(
+        if missing:
+            missing_at.append(f"step {step} (world {world}): old ranks {missing} missing")
+        else:
+            covered.append(((step, world), _manifest(cats, step, world, serve), serve))
+    return covered, missing_at
+
+
+def _incomplete(missing_at: list[str], any_held: bool) -> PeersIncomplete:
+    if not any_held:
+        return PeersIncomplete("<peers>: no rank holds a host copy; load a checkpoint")
+    return PeersIncomplete(
         "<peers>: no step at which the survivors' host copies cover every old rank: "
         + "; ".join(missing_at)
         + "; load a checkpoint instead"
@@ -359,26 +376,28 @@ def _exchange(
     return fetched
 
 
-def _agree_across_slices(step: int | None, why: str, slices) -> None:
-    """Raise PeersIncomplete on every rank unless every MP slice chose one step
-    (collective over ``slices``, the model-parallel group). See [Note: restore from
-    peers]."""
+def _common_step(covered: list[Key], why: str, slices) -> Key:
+    """The newest (step, world) that every MP slice covers (collective over
+    ``slices``, the model-parallel group); PeersIncomplete on every rank when there is
+    none. See [Note: restore from peers]."""
     verdicts: list[Any] = [None] * dist.get_world_size(slices)
-    dist.all_gather_object(verdicts, (step, why), group=slices)
-    lacking = [f"model-parallel slice {i}: {w}" for i, (s, w) in enumerate(verdicts) if s is None]
+    dist.all_gather_object(verdicts, (covered, why), group=slices)
+    lacking = [f"model-parallel slice {i}: {w}" for i, (keys, w) in enumerate(verdicts) if not keys]
     if lacking:
         raise PeersIncomplete("; ".join(lacking))
-    steps = [s for s, _ in verdicts]
-    if len(set(steps)) > 1:
+    common = set.intersection(*(set(map(tuple, keys)) for keys, _ in verdicts))
+    if not common:
+        steps = [sorted(step for step, _ in keys) for keys, _ in verdicts]
         raise PeersIncomplete(
-            f"<peers>: the model-parallel slices' host copies are at different steps "
-            f"(by slice: {steps}); load a checkpoint instead"
+            f"<peers>: the model-parallel slices' host copies share no step (steps by "
+            f"slice: {steps}); load a checkpoint instead"
         )
+    return max(common)
 
 
 def restore_from_peers(
     state: ShardedState,
-    held: PeerSnapshot | None,
+    held: PeerSnapshot | list[PeerSnapshot] | None,
     comm: Communicator,
     tag: str = "load",
     slices=None,
@@ -390,18 +409,19 @@ def restore_from_peers(
     if state.pending_micro_steps:
         raise CheckpointError("restore: gradients are being accumulated; restore between steps")
     group = state.group
-    catalog = held.catalog() if held is not None else None
+    mine = [held] if isinstance(held, PeerSnapshot) else list(held or [])
     catalogs: list[Any] = [None] * state.world
-    dist.all_gather_object(catalogs, catalog, group=group)
-    try:
-        manifest, serve = _choose(catalogs)
-    except PeersIncomplete as exc:
-        if slices is None:
-            raise
-        _agree_across_slices(None, str(exc), slices)  # raises: this slice lacks
-        raise
+    dist.all_gather_object(catalogs, [c.catalog() for c in mine], group=group)
+    covered, missing_at = _covered(catalogs)
     if slices is not None:
-        _agree_across_slices(manifest["step"], "", slices)
+        why = "" if covered else str(_incomplete(missing_at, any(catalogs)))
+        key = _common_step([k for k, _, _ in covered], why, slices)
+    elif covered:
+        key = covered[0][0]
+    else:
+        raise _incomplete(missing_at, any(catalogs))
+    manifest, serve = next((m, sv) for k, m, sv in covered if k == key)
+    source = next((c for c in mine if (c.step, c.world) == key), None)
     error, plan = None, None
     try:
         _check_optimizer(state, manifest, PEERS)
@@ -413,6 +433,6 @@ def restore_from_peers(
         raise CheckpointError("; ".join(errors))
     assert plan is not None
     zero_masters(state)
-    fetched = _exchange(held, plan.destinations(state), serve, comm, group, tag)
+    fetched = _exchange(source, plan.destinations(state), serve, comm, group, tag)
     _apply(state, plan, fetched, zeroed=True)
     return LoadResult(PEERS, manifest["step"], {}, saved_counters(manifest))
