@@ -18,15 +18,17 @@ group: the live path's ``placed/regrouped``), and the steps trained again (the s
 reached before the kill minus the step the new group resumed from). Goodput: useful
 samples per second over the faulty phase (each step counted at the data-parallel
 degree it was trained at: a step at dp 1 is half a step at dp 2) / the fault-free
-rate; ``goodput_steps`` counts steps alone. Join: seconds from the
+rate; ``goodput_steps`` counts steps alone. ``--mp 2``: the job is model-parallel
+(two ranks per replica, one replica per node), so a kill takes its replica's two ranks
+out and a join brings two back. Join: seconds from the
 node's return (``add_node``) to the first step at dp 2, and the same from the moment
 Ray reports the new node alive (its raylet's start is not the job's doing); the JSON's
 ``join`` breaks it down (node alive, growing, re-formed, first step).
 
     python -m benchmarks.recovery [--model small|large] [--kills 10] [--every 12]
-                                  [--modes restart live]
+                                  [--modes restart live] [--mp 1|2]
 
-Prints the table and writes JSON to benchmarks/results/recovery-<model>.json.
+Prints the table and writes JSON to benchmarks/results/recovery-<model>[-mp2].json.
 """
 
 from __future__ import annotations
@@ -171,15 +173,24 @@ def _join_breakdown(
     }
 
 
-def run_mode(model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int) -> dict:
+def run_mode(
+    model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int, mp: int = 1
+) -> dict:
     from workers.cluster import SimulatedCluster
 
-    with SimulatedCluster(nodes=2, cpus_per_node=1) as sim:
-        return _run_mode(sim, model, mode, kills, every, baseline_s, seed)
+    with SimulatedCluster(nodes=2, cpus_per_node=mp) as sim:
+        return _run_mode(sim, model, mode, kills, every, baseline_s, seed, mp)
 
 
 def _run_mode(
-    sim: Any, model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int
+    sim: Any,
+    model: str,
+    mode: str,
+    kills: int,
+    every: float,
+    baseline_s: float,
+    seed: int,
+    mp: int,
 ) -> dict:
     import ray
 
@@ -198,7 +209,7 @@ def _run_mode(
             "optimizer": {"type": "adamw", "lr": 1e-3},
             "steps": 10**7,
             "micro_batch": micro_batch,
-            "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1},
+            "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1, "mp": mp},
             "checkpoint": {"interval_steps": 5, "keep": 2},
             "timeouts": {"bootstrap_s": 300, "step_s": 120},
             "max_restarts": 1000,
@@ -220,7 +231,7 @@ def _run_mode(
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             members = rows()
-            fresh = len(members) >= dp and all(r["pid"] != without for r in members)
+            fresh = len(members) >= dp * mp and all(r["pid"] != without for r in members)
             if fresh and step_now(members) > members[0]["start_step"]:
                 return time.monotonic() - t0, members
             time.sleep(0.05)
@@ -238,7 +249,7 @@ def _run_mode(
     s_begin, t_begin = step_now(members), time.monotonic()
     for _ in range(kills):
         members = rows()
-        while len(members) < 2:  # growing back (live) or restarting
+        while len(members) < 2 * mp:  # growing back (live) or restarting
             time.sleep(0.05)
             members = rows()
         victim = rng.choice(members)
@@ -248,7 +259,7 @@ def _run_mode(
         regrouped = [
             e
             for e in ray.get(handle.events.remote())
-            if e["reason"] == "regrouped" and e["dp"] == len(after)
+            if e["reason"] == "regrouped" and e["dp"] == len(after) // mp
         ]
         live = bool(regrouped) and mode == "live"
         faults.append(
@@ -257,7 +268,7 @@ def _run_mode(
                 "regroup_s": regrouped[-1].get("seconds") if live else None,
                 "phases": regrouped[-1].get("phases") if live else None,
                 "retrained": max(0, before - after[0]["start_step"]),
-                "new_dp": len(after),
+                "new_dp": len(after) // mp,
             }
         )
         print(f"{mode}: kill -> step in {seconds:.2f} s, {faults[-1]}", flush=True)
@@ -283,7 +294,7 @@ def _run_mode(
     goodput = samples / (t_end - t_begin) / (2 * rate) if rate > 0 else 0.0
 
     members = rows()
-    while len(members) < 2:
+    while len(members) < 2 * mp:
         time.sleep(0.1)
         members = rows()
     sim.remove_node(sim.nodes[1])
@@ -293,7 +304,7 @@ def _run_mode(
     watch = _JoinWatch()
     joined, joined_at = time.monotonic(), time.time()
     watch.start(joined)
-    sim.add_node(num_cpus=1, wait=False)
+    sim.add_node(num_cpus=mp, wait=False)
     t_node = _wait_new_node(alive_before, joined)
     wait_group(2, None)
     t_join = time.monotonic() - joined  # from the node's return
@@ -307,7 +318,11 @@ def _run_mode(
         )
     join = _join_breakdown(events, joined_at, t_node, t_join) | watch.seen
     print(f"join: {join}", flush=True)
-    params = ray.get(handle.ranks.remote())[0]["psi"]
+    from workers.model_size import count_parameters
+
+    # The whole model's (a rank's psi is its slice with MP), built without a group.
+    unsplit = spec.model_copy(update={"resources": spec.resources.model_copy(update={"mp": 1})})
+    params = count_parameters(unsplit)
     stop(f"recovery-{mode}")
     secs = [f["seconds"] for f in faults]
     regroup = [f["regroup_s"] for f in faults if f["regroup_s"] is not None]
@@ -315,6 +330,7 @@ def _run_mode(
         "model": model,
         "params": params,
         "mode": mode,
+        "mp": mp,
         "regroup_p50_s": statistics.median(regroup) if regroup else None,
         "steps_per_s_no_faults": rate,
         "kills": len(faults),
@@ -340,12 +356,13 @@ def main() -> None:
     parser.add_argument("--baseline", type=float, default=20.0)
     parser.add_argument("--modes", nargs="+", default=["restart", "live"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mp", type=int, choices=[1, 2], default=1)
     parser.add_argument(
         "--out", type=Path, default=None, help="JSON path (default: results/recovery-MODEL.json)"
     )
     args = parser.parse_args()
     results = [
-        run_mode(args.model, m, args.kills, args.every, args.baseline, args.seed)
+        run_mode(args.model, m, args.kills, args.every, args.baseline, args.seed, args.mp)
         for m in args.modes
     ]
     header = (
@@ -366,13 +383,15 @@ def main() -> None:
     for r in results:
         regroup = "-" if r["regroup_p50_s"] is None else f"{r['regroup_p50_s']:.2f}"
         print(
-            f"{r['model']} ({r['params'] / 1e6:.1f} M) | {r['mode']} | {r['kills']} | "
+            f"{r['model']} ({r['params'] / 1e6:.1f} M, mp {r['mp']}) | {r['mode']} | "
+            f"{r['kills']} | "
             f"{r['recover_p50_s']:.2f} | {r['recover_p95_s']:.2f} | {regroup} | "
             f"{r['retrained_mean']:.1f} | {r['retrained_max']} | {r['goodput']:.2f} | "
             f"{r['join_s']:.2f} | {r['join']['node_alive_s']:.2f} | "
             f"{r['join']['from_node_s']:.2f}"
         )
-    out = args.out or RESULTS / f"recovery-{args.model}.json"
+    suffix = f"-mp{args.mp}" if args.mp > 1 else ""
+    out = args.out or RESULTS / f"recovery-{args.model}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     config, micro_batch = MODELS[args.model]
     out.write_text(
