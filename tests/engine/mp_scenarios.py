@@ -188,18 +188,6 @@ def _train_steps(spec: MPSpec, topo, engine, steps: range) -> list[float]:
     return losses
 
 
-def _regroup(members: list[int], store: str) -> None:
-    """Leave the old group; form one of ``members`` (old global ranks, in order)."""
-    old = dist.get_rank()
-    dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, len(members)),
-        rank=members.index(old),
-        world_size=len(members),
-    )
-
-
 def peer_shrink(
     spec: MPSpec, root: str, store: str, leave: int, stale_slice: int | None, spare: bool = False
 ) -> dict:
@@ -210,7 +198,7 @@ def peer_shrink(
     of one step before (as if their last refresh was cut short), and the checkpoint is
     of that step. ``spare``: the survivors offer the copy before their last too
     (``peer_snapshots``)."""
-    from tests.engine.peer_scenarios import captured, differences
+    from tests.engine.peer_scenarios import _rejoin, captured, differences
     from zeroservice.checkpoint import PeersIncomplete
 
     host = {"redundancy": "host-copy", "redundancy_interval": 1}
@@ -238,7 +226,7 @@ def peer_shrink(
     if rank // spec.mp == leave:
         dist.destroy_process_group()
         return {"left": True} | kept
-    _regroup([r for r in range(world) if r // spec.mp != leave], store)
+    _rejoin([r for r in range(world) if r // spec.mp != leave], rank, store)
     topo, restored = build(spec, restored=True)
     out: dict = {"left": False, "dp": topo.dp, "mp_rank": topo.mp_rank} | kept
     try:
