@@ -295,11 +295,9 @@ def interrupted_mp(spec: MPSpec, flag: str) -> dict:
     ``Engine.interrupt``, then raises CommInterrupted. Closing the engine hands the
     model's MP communicators back (no Interrupt). Rank 1 waits for ``flag`` (bounded)
     so that its exit cannot end rank 0's wait."""
-    import threading
-    import time
     from pathlib import Path
 
-    from zeroservice.interrupt import CommInterrupted
+    from tests.engine.peer_scenarios import interrupted_during, wait_for_flag
 
     topo, engine = build(spec)
     _train_steps(spec, topo, engine, range(1))
@@ -307,20 +305,11 @@ def interrupted_mp(spec: MPSpec, flag: str) -> dict:
     model_comms = list({id(g): g.comm for g in groups if isinstance(g, MPGroup)}.values())
     attached = all(c.interrupt is not None for c in model_comms)
     if topo.mp_rank == 1:
-        deadline = time.monotonic() + 120
-        while not Path(flag).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_flag(flag)
         return {"left": True}
-    timer = threading.Timer(0.5, engine.interrupt, args=("rank 1 lost",))
-    timer.start()
-    try:
-        _train_steps(spec, topo, engine, range(1, 2))
-        raised = None
-    except CommInterrupted as exc:
-        raised = f"CommInterrupted: {exc}"
-    except Exception as exc:
-        raised = f"{type(exc).__name__}: {exc}"
-    timer.join()
+    raised = interrupted_during(
+        engine, "rank 1 lost", lambda: _train_steps(spec, topo, engine, range(1, 2))
+    )
     engine.close()
     Path(flag).touch()
     return {

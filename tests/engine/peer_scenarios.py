@@ -263,6 +263,29 @@ def handed_out(steps: int) -> dict:
     return out | {"spare_after": ledger.redundancy_spare, "held": ledger.redundancy_host}
 
 
+def wait_for_flag(flag: str) -> None:
+    """A silent peer's wait (bounded): its exit must not end the others' wait."""
+    deadline = time.monotonic() + 120
+    while not Path(flag).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def interrupted_during(engine, reason: str, train) -> str | None:
+    """Run ``train()`` while another thread calls ``engine.interrupt(reason)`` after
+    0.5 s; what it raised, as ``Type: message`` (None if nothing)."""
+    timer = threading.Timer(0.5, engine.interrupt, args=(reason,))
+    timer.start()
+    try:
+        train()
+        return None
+    except CommInterrupted as exc:
+        return f"CommInterrupted: {exc}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        timer.join()
+
+
 def interrupted(spec: Spec, root: str, store: str, flag: str, steps: int) -> dict:
     """Rank 2 stops taking part after ``steps`` steps but stays alive (its process
     would be killed; on gloo a transfer it left half sent never fails): the others are
@@ -275,20 +298,11 @@ def interrupted(spec: Spec, root: str, store: str, flag: str, steps: int) -> dic
     _train(engine, spec, range(steps))
     engine.save_checkpoint(root, keep=10)
     if old_rank == 2:
-        deadline = time.monotonic() + 120
-        while not Path(flag).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_flag(flag)
         return {"left": True}
-    timer = threading.Timer(0.5, engine.interrupt, args=("rank 2 lost",))
-    timer.start()
-    try:
-        _train(engine, spec, range(steps, steps + 1))
-        raised = None
-    except CommInterrupted as exc:
-        raised = f"CommInterrupted: {exc}"
-    except Exception as exc:
-        raised = f"{type(exc).__name__}: {exc}"
-    timer.join()
+    raised = interrupted_during(
+        engine, "rank 2 lost", lambda: _train(engine, spec, range(steps, steps + 1))
+    )
     held = engine.peer_snapshot()
     engine.close()  # its ring or waiter thread is still inside a transfer
     _rejoin([0, 1], old_rank, store)
