@@ -224,7 +224,7 @@ class RankWorker:
                 result = self.engine.restore_from_peers(held)
                 self.step = result.step
                 self.tokens = self.step * self._tokens_per_step()
-                loaded: str | None = f"host memory of the peers at step {result.step}"
+                loaded: str | None = "host memory of the peers"  # the event adds the step
             except PeersIncomplete as exc:  # every rank raises it alike
                 fallback = str(exc)
                 self.step, self.tokens = 0, 0
