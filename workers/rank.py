@@ -24,6 +24,7 @@ from zeroservice.checkpoint.storage import has_entries
 from zeroservice.comm import CommLedger, bus_factor
 from zeroservice.data import micro_batch
 from zeroservice.memory import process_status_kib
+from zeroservice.tensor_parallel import mp_groups_of
 
 from .build import build_dataset, build_model, optimizer_factory
 from .flops import flops_per_token, peak_tflops
@@ -107,6 +108,8 @@ class RankWorker:
         """The history points the loaded checkpoint carries (see ``RankSetup.history``)."""
         self._store: dist.TCPStore | None = None
         """The rendezvous this rank opened for the next group (``open_rendezvous``)."""
+        self.topo: zeroservice.Topology | None = None
+        """This rank's DP and MP groups (``_join``)."""
         self._left: list[tuple[float, Any]] = []
         """Groups left, kept until their timeout has passed (see ``_leave``)."""
         _warm_up()
@@ -258,7 +261,7 @@ class RankWorker:
         if dist.is_initialized():
             world = dist.group.WORLD
             deadline = now + self._group_timeout().total_seconds() + 5.0
-            self._left.append((deadline, (world, getattr(self, "topo", None))))
+            self._left.append((deadline, (world, self.topo)))
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 
@@ -302,7 +305,7 @@ class RankWorker:
         model, init = build_model(spec, topo.mp_group, restoring)
         if use_cuda and init is None:
             model.cuda()
-        tp_groups = {id(x): x for x in _mp_groups(model)}.values()
+        tp_groups = mp_groups_of(model)
         self.engine = engine = zeroservice.initialize(
             model, spec.zero_config(), optimizer_factory(spec), init=init, topology=topo
         )
@@ -660,12 +663,3 @@ class RankWorker:
             self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _mp_groups(model: torch.nn.Module):
-    from zeroservice.tensor_parallel import MPGroup
-
-    for module in model.modules():
-        mp = getattr(module, "mp", None)
-        if isinstance(mp, MPGroup):
-            yield mp

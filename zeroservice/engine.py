@@ -44,7 +44,7 @@ from .redundancy import HostCopies
 from .schedule import lr_factor
 from .stages import policy_for
 from .state import StateCell, TrainingState
-from .tensor_parallel import MPGroup, is_mp_sharded
+from .tensor_parallel import MPGroup, is_mp_sharded, mp_groups_of
 from .units import plan_layout
 from .zeropp import NodeGroups, Scratch, Secondary, build_node_groups, node_of
 
@@ -137,7 +137,7 @@ class Engine:
         self.mp = MPGroup(mp_group, self._interrupt) if self.mp_size > 1 else None
         """The engine's own MP collectives (the gradient norm, P_a's gathers), with their
         ledger (``mp_ledger``); the model's tensor-parallel layers keep theirs."""
-        self._model_mp_comms = [g.comm for g in _mp_groups_of(module) if g.size > 1]
+        self._model_mp_comms = [g.comm for g in mp_groups_of(module) if g.size > 1]
         """The model's tensor-parallel communicators, given this engine's Interrupt until
         close (see MPGroup); the newest engine over a model holds them."""
         for mp_comm in self._model_mp_comms:
@@ -731,11 +731,3 @@ def _replicated_ranges(unit: FlatUnit, sharded: set[str]) -> list[tuple[int, int
         if a < b:
             ranges.append((a - lo, b - lo))
     return ranges
-
-
-def _mp_groups_of(module: nn.Module) -> list[MPGroup]:
-    """The distinct MPGroups the model's tensor-parallel layers hold."""
-    groups = {
-        id(g): g for m in module.modules() if isinstance(g := getattr(m, "mp", None), MPGroup)
-    }
-    return list(groups.values())

@@ -66,6 +66,14 @@ class MPGroup:
         return n // self.size
 
 
+def mp_groups_of(module: nn.Module) -> list[MPGroup]:
+    """The distinct MPGroups a model's tensor-parallel layers hold."""
+    groups = {
+        id(g): g for m in module.modules() if isinstance(g := getattr(m, "mp", None), MPGroup)
+    }
+    return list(groups.values())
+
+
 def mark_sharded(*params: nn.Parameter) -> None:
     for p in params:
         p.mp_sharded = True  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ so the global batch and its mean loss are the same.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -44,10 +45,7 @@ def build(spec: MPSpec, restored: bool = False):
     topo = zeroservice.build_topology(spec.mp)
     torch.manual_seed(1234)
     cfg = GPTConfig(**TINY_MP, tie_weights=spec.tie)
-    if restored:
-        with zeroservice.deferred_init():
-            model = GPT(cfg, MPGroup(topo.mp_group) if spec.mp > 1 else None)
-    else:
+    with zeroservice.deferred_init() if restored else contextlib.nullcontext():
         model = GPT(cfg, MPGroup(topo.mp_group) if spec.mp > 1 else None)
     config = ZeroConfig(
         stage=spec.stage,
@@ -188,6 +186,39 @@ def _train_steps(spec: MPSpec, topo, engine, steps: range) -> list[float]:
     return losses
 
 
+def _with_host_copies(spec: MPSpec) -> MPSpec:
+    from tests.engine.peer_scenarios import host
+
+    return dataclasses.replace(spec, engine={**spec.engine, **host(1)})
+
+
+def _restore_and_compare(spec: MPSpec, held, root: str, rng: bool = True) -> dict:
+    """Restore from ``held`` on an engine built as a re-forming rank builds it; load
+    the newest checkpoint under ``root`` on another; both train 2 more steps. The
+    differences, both runs' losses, and the steps restored and loaded."""
+    from tests.engine.peer_scenarios import captured, differences
+
+    topo, restored = build(spec, restored=True)
+    try:
+        result = restored.restore_from_peers(held)
+    except Exception:  # PeersIncomplete, say: reported by the caller
+        restored.close()
+        raise
+    mine = captured(restored)
+    _, loaded = build(spec)
+    disk = loaded.load_checkpoint(root)
+    more = range(result.step, result.step + 2)
+    return {
+        "dp": topo.dp,
+        "step": result.step,
+        "disk_step": disk.step,
+        "diffs": differences(mine, captured(loaded), rng=rng),
+        "losses": _train_steps(spec, topo, restored, more),
+        "ref_losses": _train_steps(spec, topo, loaded, more),
+        "held_after": restored.memory_ledger().redundancy_host,
+    }
+
+
 def peer_shrink(
     spec: MPSpec, root: str, store: str, leave: int, stale_slice: int | None, spare: bool = False
 ) -> dict:
@@ -198,11 +229,10 @@ def peer_shrink(
     of one step before (as if their last refresh was cut short), and the checkpoint is
     of that step. ``spare``: the survivors offer the copy before their last too
     (``peer_snapshots``)."""
-    from tests.engine.peer_scenarios import _rejoin, captured, differences
+    from tests.engine.peer_scenarios import _rejoin
     from zeroservice.checkpoint import PeersIncomplete
 
-    host = {"redundancy": "host-copy", "redundancy_interval": 1}
-    spec = dataclasses.replace(spec, engine={**spec.engine, **host})
+    spec = _with_host_copies(spec)
     topo, engine = build(spec)
 
     def copies():
@@ -227,36 +257,17 @@ def peer_shrink(
         dist.destroy_process_group()
         return {"left": True} | kept
     _rejoin([r for r in range(world) if r // spec.mp != leave], rank, store)
-    topo, restored = build(spec, restored=True)
-    out: dict = {"left": False, "dp": topo.dp, "mp_rank": topo.mp_rank} | kept
     try:
-        result = restored.restore_from_peers(held)
+        return {"left": False} | kept | _restore_and_compare(spec, held, root)
     except PeersIncomplete as exc:
-        restored.close()
-        return out | {"error": str(exc)}
-    mine = captured(restored)
-    _, loaded = build(spec)
-    disk = loaded.load_checkpoint(root)
-    ref = captured(loaded)
-    more = range(result.step, result.step + 2)
-    return out | {
-        "step": result.step,
-        "disk_step": disk.step,
-        "diffs": differences(mine, ref),
-        "losses": _train_steps(spec, topo, restored, more),
-        "ref_losses": _train_steps(spec, topo, loaded, more),
-        "held_after": restored.memory_ledger().redundancy_host,
-    }
+        return {"left": False} | kept | {"error": str(exc)}
 
 
 def peer_grow(spec: MPSpec, root: str, store: str) -> dict:
     """One replica (ranks 0..mp-1) trains with host copies and saves; a second replica
     joins; the first hands it its shards (``snapshot_now``), and both equal an engine
     that loaded the checkpoint at the larger world, then train alike."""
-    from tests.engine.peer_scenarios import captured, differences
-
-    host = {"redundancy": "host-copy", "redundancy_interval": 1}
-    spec = dataclasses.replace(spec, engine={**spec.engine, **host})
+    spec = _with_host_copies(spec)
     world, rank = dist.get_world_size(), dist.get_rank()
     dist.destroy_process_group()
     held = None
@@ -271,22 +282,8 @@ def peer_grow(spec: MPSpec, root: str, store: str) -> dict:
         engine.close()
         dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    topo, restored = build(spec, restored=True)
-    result = restored.restore_from_peers(held)
-    mine = captured(restored)
-    _, loaded = build(spec)
-    disk = loaded.load_checkpoint(root)
-    ref = captured(loaded)
-    more = range(result.step, result.step + 2)
-    return {
-        "dp": topo.dp,
-        "step": result.step,
-        "disk_step": disk.step,
-        # A newcomer has no old rank's generators to take (as at MP 1).
-        "diffs": differences(mine, ref, rng=held is not None),
-        "losses": _train_steps(spec, topo, restored, more),
-        "ref_losses": _train_steps(spec, topo, loaded, more),
-    }
+    # A newcomer has no old rank's generators to take (as at MP 1).
+    return _restore_and_compare(spec, held, root, rng=held is not None)
 
 
 def interrupted_mp(spec: MPSpec, flag: str) -> dict:
