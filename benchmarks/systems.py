@@ -130,6 +130,14 @@ def ddp(model: GPT) -> Trainer:
     return Trainer(*_plain(model, _adamw(model.parameters()), DDP(model)))
 
 
+def ddp_bucket_view(model: GPT) -> Trainer:
+    """DDP whose ``param.grad`` are views of its buckets: one gradient copy, not two."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    wrapped = DDP(model, gradient_as_bucket_view=True)
+    return Trainer(*_plain(model, _adamw(model.parameters()), wrapped))
+
+
 def torch_zero1(model: GPT) -> Trainer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -181,6 +189,7 @@ SYSTEMS: dict[str, tuple[int, Callable[[GPT], Trainer]]] = {
     "zero2-shm": (2, ours(2, "shm")),
     "zero3-shm": (3, ours(3, "shm")),
     "ddp": (0, ddp),
+    "ddp-view": (0, ddp_bucket_view),
     "torch_zero1": (1, torch_zero1),
     "fsdp2": (3, fsdp2),
     "deepspeed1": (1, deepspeed(1)),

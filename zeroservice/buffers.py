@@ -13,18 +13,22 @@ import torch
 class BufferPool:
     """Reusable staging buffers of constant size (the paper's C_B).
 
-    When every buffer is taken and nothing is in flight to free one, a temporary one
-    is allocated and counted in ``overflows`` rather than blocking.
+    Buffers are allocated at first use, up to ``count``. When every buffer is taken and
+    nothing is in flight to free one, a temporary one is allocated and counted in
+    ``overflows`` rather than blocking. ``trim`` lets idle buffers go (stage 3 holds
+    them only while an oversized unit is reduced: see [Note: constant buffers] in
+    reduce.py).
     """
 
     def __init__(self, count: int, numel: int, dtype, device):
         self._shape = (numel, dtype, device)
-        self._free = [
-            torch.empty(numel, dtype=dtype, device=device) for _ in range(count if numel else 0)
-        ]
-        self.resident_bytes = sum(b.numel() * b.element_size() for b in self._free)
-        self.buffer_bytes = max((b.numel() * b.element_size() for b in self._free), default=0)
+        self._count = count if numel else 0
+        self._made = 0
+        self._free: list[torch.Tensor] = []
+        self.buffer_bytes = numel * dtype.itemsize if self._count else 0
         """Bytes of one buffer (0 when the pool holds none)."""
+        self.resident_bytes = self._count * self.buffer_bytes
+        """Bytes of the pool's buffers when all are allocated."""
         self.overflows = 0
         self.temporary_bytes = 0
         """Bytes of temporary buffers alive now."""
@@ -32,7 +36,13 @@ class BufferPool:
         """The most temporary bytes alive at once: the ledger adds it to the pool's."""
 
     def try_acquire(self) -> torch.Tensor | None:
-        return self._free.pop() if self._free else None
+        if self._free:
+            return self._free.pop()
+        if self._made < self._count:
+            numel, dtype, device = self._shape
+            self._made += 1
+            return torch.empty(numel, dtype=dtype, device=device)
+        return None
 
     def acquire_temporary(self) -> torch.Tensor:
         numel, dtype, device = self._shape
@@ -47,6 +57,21 @@ class BufferPool:
             self.temporary_bytes -= buffer.numel() * buffer.element_size()
         else:
             self._free.append(buffer)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the pool's buffers allocated now (lent or idle)."""
+        return self._made * self.buffer_bytes
+
+    @property
+    def idle(self) -> bool:
+        """No buffer of the pool is lent."""
+        return len(self._free) == self._made
+
+    def trim(self) -> None:
+        """Let the idle buffers go; later acquires allocate again."""
+        self._made -= len(self._free)
+        self._free.clear()
 
 
 class BufferSource(Protocol):

@@ -432,7 +432,7 @@ class Engine:
             params=tensor_bytes(u.flat for u in self.trainable_units),
             frozen=tensor_bytes(u.flat for u in frozen),
             frozen_psi=sum(u.numel for u in frozen),
-            grads=self.reducer.resident_bytes(),
+            grads=self.reducer.grad_bytes(),
             master=self.optimizer.master_bytes(),
             optimizer_states=tensor_bytes(big),
             optimizer_other=tensor_bytes(small),

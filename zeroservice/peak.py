@@ -16,8 +16,18 @@ largest:
   tensors; ``recompute`` (checkpointed): the last block's recomputation and the first
   node of its backward beside the arena; ``blocks`` (stage 3 without checkpointing):
   the saved tensors beside two unit-sized gradient staging buffers borrowed from the
-  gather cache;
+  gather cache; ``pieces`` (stage 3, an untied head larger than C_B): the head's whole
+  gradient reduced through two C_B pool buffers into its shard, beside the saved
+  tensors;
 * ``step``: mixed precision casts every gradient shard to fp32 before the update.
+
+At stages 2 and 3 the gradient shards exist only from the backward's first reduction to
+the step (reduce.py, [Note: gradient lifetime]), and on a CPU a shard's pages are
+resident once its reduction wrote them: ``forward``, ``backward`` and ``pieces`` count
+none but the head's own, ``blocks`` and ``recompute`` those of the units holding only
+ln_f's and the head's parameters (reduced before any block's), ``step`` all. The model is
+one micro-batch per step: with accumulation the shards are held from the first
+micro-batch's backward on.
 
 Every term is a count of tensors in the code (models/gpt.py, tensor_parallel.py,
 activations.py, reduce.py, gather.py, ring.py, optim.py), in elements of this rank:
@@ -64,6 +74,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from .flat import padded_size
 from .memory import PARAM_BYTES, model_state_kinds
 from .shm import HEADER_BYTES, half_bytes_for
 
@@ -71,6 +82,8 @@ if TYPE_CHECKING:
     from .models.gpt import GPTConfig
     from .units import Budgets
 
+TAIL = ("ln_f", "head")
+"""The modules after the blocks: backward reduces their units before any block's."""
 BF16_MATMUL_SHAPES = 15
 """Distinct matrix-product shapes in one step of the reference GPT: five linear maps
 (qkv, attention's projection, fc, the MLP's projection, the head), each with a forward
@@ -142,7 +155,8 @@ class PeakPrediction:
 
     phase: str
     """"forward", "backward" (its first node), "recompute" (a checkpointed block's
-    recomputation, later in backward) or "step": the moment of the largest total."""
+    recomputation, later in backward), "blocks", "pieces" (stage 3) or "step": the
+    moment of the largest total. See [Note: peak model]."""
     peak: int
     """The largest of ``phases``: what VmHWM above start-up should read on CPU."""
     model_states: int
@@ -203,17 +217,20 @@ def gpt_parameters(cfg: GPTConfig, mp: int) -> list[tuple[str, int]]:
     return out
 
 
-def _pack(sizes: list[int], cap: int) -> list[int]:
-    """flat.split_into_units on sizes: consecutive, a unit closes before passing ``cap``."""
-    units: list[int] = []
-    current = 0
-    for n in sizes:
+def _pack(params: list[tuple[str, int]], cap: int) -> list[tuple[int, bool]]:
+    """flat.split_into_units on (name, size): consecutive, a unit closes before passing
+    ``cap``. Per unit: its elements, and whether all its parameters are ln_f's or the
+    head's (backward reduces such a unit before any block's)."""
+    units: list[tuple[int, bool]] = []
+    current, tail = 0, True
+    for name, n in params:
         if current and current + n > cap:
-            units.append(current)
-            current = 0
+            units.append((current, tail))
+            current, tail = 0, True
         current += n
+        tail = tail and name.split(".")[0] in TAIL
     if current:
-        units.append(current)
+        units.append((current, tail))
     return units
 
 
@@ -226,6 +243,9 @@ class _Units:
     ln_f, head: partition.build_groups), its units' padded sizes."""
     names: list[str]
     """Stage 3: the groups' module names ("" the root)."""
+    tail: int
+    """Padded elements of the units backward reduces before any block's (ln_f's and an
+    untied head's)."""
     budgets: Budgets
     block: int
     """C_B padded to a multiple of N_d: the staging size and N_d x the ring's chunk."""
@@ -243,7 +263,7 @@ def _units(c: PeakConfig) -> _Units:
     shard_world = c.dp if c.stage > 0 else 1
     names = [""]
     if c.stage < 3:
-        raw = [_pack([n for _, n in reversed(params)], cap)]
+        raw = [_pack(params[::-1], cap)]
     else:
         # Stage 3 groups (partition._block_modules): each block, and each module beside
         # the blocks unless it shares a parameter (a tied wte stays with the root).
@@ -254,10 +274,11 @@ def _units(c: PeakConfig) -> _Units:
             return "" if module == "wte" and c.gpt.tie_weights else module
 
         names = ["", *[g for g in dict.fromkeys(owner(n) for n, _ in params) if g]]
-        raw = [_pack([k for n, k in params if owner(n) == g], cap) for g in names]
-    groups = [[padded_size(n, shard_world) for n in g] for g in raw]
+        raw = [_pack([(n, k) for n, k in params if owner(n) == g], cap) for g in names]
+    groups = [[padded_size(n, shard_world) for n, _ in g] for g in raw]
     sizes = [n for g in groups for n in g]
-    return _Units(sizes, groups, names, b, padded_size(cap, c.dp))
+    tail = sum(padded_size(n, shard_world) for g in raw for n, last in g if last)
+    return _Units(sizes, groups, names, tail, b, padded_size(cap, c.dp))
 
 
 # -- activations, counted from models/gpt.py ----------------------------------------------
@@ -301,7 +322,8 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         staging = 2 * min(largest, units.block) * p
         written = sum(min(n, units.block) for n in sorted(units.sizes)[-2:]) * p
     elif c.stage == 3 and largest > units.block:
-        staging = written = 2 * units.block * p
+        # Allocated for an oversized unit's pieces only (reduce.py): see ``pieces`` below.
+        staging = 2 * units.block * p
     ring = 0
     if c.dp > 1 and c.collectives == "shm":
         ring = c.dp * (HEADER_BYTES + 2 * half_bytes_for(c.dp, units.block // c.dp))
@@ -323,15 +345,18 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     native = native_bf16_matmul() if c.native_bf16 is None else c.native_bf16
     kernels = BF16_MATMUL_SHAPES * BF16_KERNEL_BYTES if native and c.precision == "bf16" else 0
     resident = states + host_grads + written + ring + gathered
+    # Stages 2/3 hold no gradient shard from the step until the backward's first
+    # reduction (reduce.py, [Note: gradient lifetime]); one micro-batch per step.
+    before_reduction = resident - (grads if c.stage >= 2 else 0)
     loss_fwd, loss_bwd = _loss_bytes(tokens * v, p, t)
     forward = {
-        "resident": resident,
+        "resident": before_reduction,
         "activations": saved + tail,
         "arena": arena,
         "loss": loss_fwd,
     }
     backward_start = {
-        "resident": resident,
+        "resident": before_reduction,
         "activations": forward["activations"],
         "arena": arena,
         "loss": loss_bwd,
@@ -343,18 +368,32 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     if c.stage == 3:
         others = sorted(n for g in units.groups[1:] for n in g if n <= units.block)
         borrowed = sum(others[-2:]) * p
+    # On a CPU a gradient shard's pages are resident once its reduction wrote them: inside
+    # the blocks' backward, those of the units reduced before them.
+    written_grads = units.tail // c.dp * p if c.stage >= 2 else 0
     if c.activation_checkpointing:
         phases["recompute"] = {
-            "resident": resident,
+            "resident": before_reduction + written_grads,
             "arena": arena,
             "activations": _recompute_bytes(c, block, tokens, p),
             "gradient staging": borrowed,
         }
     elif borrowed:
         phases["blocks"] = {
-            "resident": resident,
+            "resident": before_reduction + written_grads,
             "activations": saved + tokens * h * p,
             "gradient staging": borrowed,
+        }
+    head = v * h if not cfg.tie_weights else 0
+    if c.stage == 3 and padded_size(head, c.dp) > units.block:
+        # An untied head above C_B is the backward's first unit to reduce: its whole
+        # gradient, as autograd made it, goes through the two pool buffers in pieces
+        # into its shard, beside every block's saved tensors.
+        phases["pieces"] = {
+            "resident": before_reduction,
+            "activations": forward["activations"],
+            "arena": arena,
+            "gradient staging": staging + head * p + padded_size(head, c.dp) // c.dp * p,
         }
     phases["step"] = {"resident": resident + arena, "fp32 gradients": _step_casts(c, units)}
     if kernels:

@@ -28,6 +28,20 @@ added to it on the next ones. A unit larger than C_B is not staged whole: see
 ``overlap_comm`` each reduction is still launched as soon as its unit is ready (so
 units never wait in buffers of their own), then waited for at once.
 
+[Note: gradient lifetime]
+A gradient shard is needed from the reduction that writes it to the step that consumes
+it, so stages 2 and 3 do not hold one in between: the shards (one contiguous buffer,
+M_D) are allocated at the first reduction after a step and dropped by ``zero_grads``
+after it, as ``zero_grad(set_to_none=True)`` drops a plain model's gradients. The
+forward, where a step without activation checkpointing peaks, then runs 4Ψ/N_d (fp32)
+bytes lighter. The buffer is allocated uninitialised: every unit's slice is written
+whole by its first reduction (zeros where no gradient exists), and on a CPU its pages
+become resident only as reductions write them, while backward frees the activations
+those units saved. With gradient accumulation the shards live from the first
+micro-batch's backward to the step. Stages 0/1 keep their full buffers: ``param.grad``
+views them and autograd accumulates into them. The ledger's ``grads`` counts the
+shards' bytes whether or not they are held at the moment.
+
 [Note: constant buffers]
 Every staging buffer holds C_B = ``bucket_elements`` rounded up to a multiple of N
 elements (fewer if no unit is that large), whatever the model's size: the paper's
@@ -43,9 +57,13 @@ rank's chunk lands in [c0, c1) of its gradient shard (copied, or added after the
 first micro-batch, as for a whole unit). Unsharded reductions (stage 0, or a world
 of 1) are the case N = 1: contiguous pieces all-reduced. The pieces of a unit are
 issued one after the other, in column order, at the unit's place in the reduction
-order, so every rank issues the same collectives. Stages 0/1 without a cast reduce
-the full gradient in place and need no staging buffer at all; the ring's receive
-scratch is bounded by C_B / N as well (see [Note: rings on gloo] in ring.py).
+order, so every rank issues the same collectives. At stage 3 without a cast, where
+every other unit borrows its staging from the gather cache, the two pool buffers the
+pieces go through are allocated when an oversized unit's reduction starts and let go
+when its last piece lands: the forward and the blocks' backward run without them.
+Stages 0/1 without a cast reduce the full gradient in place and need no staging buffer
+at all; the ring's receive scratch is bounded by C_B / N as well (see [Note: rings on
+gloo] in ring.py).
 
 [Note: stage 3 reduction]
 At stage 3 the parameters are not leaves of the graph, so no hook fires per
@@ -120,14 +138,15 @@ class GradReducer:
         self.overlap = overlap
         device = units[0].flat.device
         self.full_grads: list[torch.Tensor] = []
-        self.shard_grads: list[torch.Tensor] = []
-        # M_D: every unit's resident gradient is a slice of one buffer allocated up front,
-        # so these long-lived tensors never interleave with backward's temporaries.
+        self._grad_dtype, self._device = grad_dtype, device
+        self._shard_grads: list[torch.Tensor] | None = None
+        """Stages 2/3: the gradient shards from the backward that makes them to the step
+        that consumes them; None between steps. See [Note: gradient lifetime]."""
+        # M_D: every unit's gradient is a slice of one buffer, so these long-lived tensors
+        # never interleave with backward's temporaries.
         if policy.keep_full_grads:
             self.full_grads = contiguous_slices([u.padded_numel for u in units], grad_dtype, device)
             self._grad_views = [u.views_of(g) for u, g in zip(units, self.full_grads, strict=True)]
-        else:
-            self.shard_grads = contiguous_slices([u.shard_numel for u in units], grad_dtype, device)
         self._cast = comm_dtype != grad_dtype
         self.external = staging
         largest = max(u.padded_numel for u in units)
@@ -178,15 +197,43 @@ class GradReducer:
             if self.policy.shard_world == 1:
                 return self.full_grads
             return [u.shard_of(g) for u, g in zip(self.units, self.full_grads, strict=True)]
-        return self.shard_grads
+        if self._shard_grads is None:  # no backward reduced since the last step
+            sizes = self._shard_sizes()
+            self._shard_grads = contiguous_slices(sizes, self._grad_dtype, self._device)
+        return self._shard_grads
 
     def zero_grads(self) -> None:
+        """After a step (or a load): no gradient is held. Stages 0/1 zero their buffers
+        in place (``param.grad`` views them); stages 2/3 drop their shards."""
         for g in self.full_grads:
             g.zero_()
+        self._shard_grads = None
         self._first_micro = True
 
-    def resident_bytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.full_grads + self.shard_grads)
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients this rank holds after a backward (the ledger's grads)."""
+        if self.policy.keep_full_grads:
+            return sum(g.numel() * g.element_size() for g in self.full_grads)
+        return sum(self._shard_sizes()) * self._grad_dtype.itemsize
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of gradient buffers allocated now: ``grad_bytes()`` at stages 0/1; at
+        stages 2/3 the same from a backward's first reduction to the step, 0 between."""
+        if self.policy.keep_full_grads or self._shard_grads is not None:
+            return self.grad_bytes()
+        return 0
+
+    def _shard_sizes(self) -> list[int]:
+        return [u.shard_numel for u in self.units]
+
+    def _shards(self) -> list[torch.Tensor]:
+        """The gradient shards, allocated at the first reduction after a step. Their pages
+        are not touched here: each unit's become resident when its reduction lands."""
+        if self._shard_grads is None:
+            sizes = self._shard_sizes()
+            flat = torch.empty(sum(sizes), dtype=self._grad_dtype, device=self._device)
+            self._shard_grads = list(flat.split(sizes))
+        return self._shard_grads
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -344,7 +391,7 @@ class GradReducer:
     def _target(self, unit: FlatUnit) -> torch.Tensor:
         """Where this rank's reduced gradient of ``unit`` goes."""
         if not self.policy.keep_full_grads:
-            return self.shard_grads[unit.index]
+            return self._shards()[unit.index]
         full = self.full_grads[unit.index]
         return full if self.policy.shard_world == 1 else unit.shard_of(full)
 
@@ -434,5 +481,7 @@ class GradReducer:
         if lease.borrowed:
             assert self.external is not None
             self.external.give(lease.buffer)
-        else:
-            self.pool.release(lease.buffer, lease.temporary)
+            return
+        self.pool.release(lease.buffer, lease.temporary)
+        if self.external is not None and self.pool.idle:
+            self.pool.trim()  # stage 3: an oversized unit is done; see [Note: constant buffers]

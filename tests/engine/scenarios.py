@@ -201,10 +201,13 @@ def mixed_precision_parity(spec: Spec, initial_scale: float = 2.0**10) -> dict:
 
 
 def ledgers(specs: list[Spec]) -> list[dict]:
-    """Memory ledger after a step, and the collectives of exactly one more step."""
+    """Memory ledger after a step, and the collectives of exactly one more step; the
+    gradient bytes held before the first step, after each micro-batch's backward and
+    after each step."""
     out = []
     for spec in specs:
         engine = engine_for(spec)
+        held = [("start", engine.reducer.held_grad_bytes())]
         for step in range(2):
             if step == 1:
                 engine.comm_ledger().reset()
@@ -213,7 +216,9 @@ def ledgers(specs: list[Spec]) -> list[dict]:
                 t0 = time.perf_counter()
             for x, y in _batches(spec, step):
                 engine.backward(engine(x, y))
+                held.append(("backward", engine.reducer.held_grad_bytes()))
                 engine.step()
+                held.append(("step", engine.reducer.held_grad_bytes()))
         comm = engine.comm_ledger()
         out.append(
             {
@@ -224,6 +229,7 @@ def ledgers(specs: list[Spec]) -> list[dict]:
                 "group_elements": _group_elements(engine),
                 "gathers": _gather_counts(engine),
                 "wall_seconds": time.perf_counter() - t0,
+                "held_grads": held,
             }
         )
     return out

@@ -18,13 +18,15 @@ CASES = [(s, p) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")]
 # must bound what is gathered.
 BUDGET = 40_000
 BUDGET_CASE = (3, "budget")
+ACCUM_CASES = [(2, "accum"), (3, "accum")]
 
 
 @functools.cache
 def _results(world: int):
     specs = [Spec(stage=s, precision=p) for s, p in CASES]
     specs.append(Spec(stage=3, prefetch=BUDGET, bucket_elements=16_384))
-    keys = [*CASES, BUDGET_CASE]
+    specs += [Spec(stage=s, accum=2) for s, _ in ACCUM_CASES]
+    keys = [*CASES, BUDGET_CASE, *ACCUM_CASES]
     return dict(zip(keys, run_local(ledgers, world, specs)[0], strict=True))
 
 
@@ -100,6 +102,26 @@ def test_communication_is_two_psi_per_step(world, stage, precision):
     # Seconds are measured per op: positive, and within the step that issued them.
     assert all(0 < e["seconds"] <= r["wall_seconds"] for e in r["entries"])
     assert all(e["busbw_bytes_per_second"] > 0 for e in r["entries"])
+
+
+@pytest.mark.parametrize("stage,precision", CASES)
+def test_gradients_are_held_from_the_backward_to_the_step(stage, precision):
+    """Stages 2/3 drop their gradient shards after the step (the forward runs without
+    them); stages 0/1 keep the full buffers ``param.grad`` views. The ledger counts the
+    bytes either way."""
+    r = _results(2)[(stage, precision)]
+    grads = r["memory"]["grads"]
+    assert grads > 0
+    between = grads if stage < 2 else 0
+    assert r["held_grads"] == [("start", between)] + [("backward", grads), ("step", between)] * 2
+
+
+@pytest.mark.parametrize("stage,_", ACCUM_CASES)
+def test_accumulated_gradients_are_held_until_the_step_applies_them(stage, _):
+    r = _results(2)[(stage, "accum")]
+    grads = r["memory"]["grads"]
+    micro = [("backward", grads), ("step", grads), ("backward", grads), ("step", 0)]
+    assert r["held_grads"] == [("start", 0)] + micro * 2
 
 
 @pytest.mark.parametrize("world", [2, 4])
