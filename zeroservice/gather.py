@@ -50,7 +50,7 @@ from .prefetch import PrefetchPlan
 from .reduce import GradReducer
 from .saved_tensors import SavedTensorRefs
 from .state import Pass
-from .zeropp import Scratch, Secondary, quantized_all_gather
+from .zeropp import Scratch, Secondary, quantized_all_gather, shard_cuts
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -98,6 +98,8 @@ class ParamGatherer:
         self.root, self.units, self.comm, self.reducer = root, units, communicator, reducer
         self.quantize_block = quantize_block
         """qwZ: parameter gathers travel as int8 blocks of this size (None: off)."""
+        self._cuts: dict[int, list[list[int]]] = {}
+        """qwZ: per unit, where each rank's shard is cut (zeropp.shard_cuts)."""
         self.secondary = secondary
         """hpZ: secondary shards kept by forward gathers for backward (None: off)."""
         self.scratch = scratch if scratch is not None else Scratch()
@@ -283,9 +285,11 @@ class ParamGatherer:
         if hpz is not None and phase is Pass.BACKWARD and index in hpz.shards:
             return hpz.gather(index, buffer)
         if self.quantize_block is not None and tag == "params":
-            flat = self.units[index].flat
+            unit = self.units[index]
+            if index not in self._cuts:
+                self._cuts[index] = shard_cuts(unit)
             pending = quantized_all_gather(
-                self.comm, flat, buffer, self.quantize_block, self.scratch
+                self.comm, unit.flat, buffer, self.quantize_block, self.scratch, self._cuts[index]
             )
         else:
             self.comm.chunk(buffer).copy_(self.units[index].flat)

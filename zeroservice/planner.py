@@ -303,7 +303,9 @@ def plan(
 
 def qwz_scratch(gathered: int, dp: int, block: int) -> int:
     """qwZ's int8 rows of ``gathered`` elements in flight: N_d shards each, a scale per
-    block (the ledger counts each unit's shards, rounded up to whole blocks apiece)."""
+    block (the ledger counts each unit's shards, rounded up to whole blocks apiece). A
+    shard cut where a parameter begins adds at most one block per cut (zeropp.py), not
+    counted here."""
     return dp * packed_bytes(-(-gathered // dp), 8, block)
 
 

@@ -14,9 +14,19 @@ The wire format of one quantized tensor is one uint8 row: ``payload | scales`` w
 ``payload`` n_blocks x B bytes (int8) or n_blocks x B / 2 bytes (int4) and ``scales``
 n_blocks x 4 bytes. ``packed_bytes`` gives its size, so that rows of equal-sized inputs
 can be stacked and sent in one collective.
+
+[Note: blocks within a parameter]
+A block that straddles two parameters takes its scale from the larger: a LayerNorm gain
+near 1 beside a bias near 0 leaves the bias with a step of 1/127, and a bias of 0.004
+comes back as 0 or 0.008. A flat shard is therefore cut into *pieces* where a parameter
+(or the unit's padding) begins (``pieces``), and each piece is quantized on its own, in
+blocks from its own start: ``payload | scales`` per piece, one after the other in the
+row (``pieces_bytes``). Each cut adds at most one block to the row.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -79,3 +89,37 @@ def block_scales(row: torch.Tensor, numel: int, bits: int, block: int) -> torch.
     n_blocks = blocks(numel, block)
     start = n_blocks * block * bits // 8
     return row[start : start + 4 * n_blocks].view(torch.float32)
+
+
+def pieces(numel: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) of the pieces of a tensor of ``numel`` elements cut at ``cuts``. See
+    [Note: blocks within a parameter]."""
+    bounds = sorted({0, numel, *(c for c in cuts if 0 < c < numel)})
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def pieces_bytes(spans: Sequence[tuple[int, int]], bits: int, block: int) -> int:
+    """Bytes of a row that holds every piece quantized on its own."""
+    return sum(packed_bytes(b - a, bits, block) for a, b in spans)
+
+
+def quantize_pieces_into(
+    x: torch.Tensor, spans: Sequence[tuple[int, int]], bits: int, block: int, out: torch.Tensor
+) -> None:
+    """Write each piece of ``x`` (1-D) quantized, one after the other, into ``out``."""
+    at = 0
+    for a, b in spans:
+        size = packed_bytes(b - a, bits, block)
+        quantize_into(x[a:b], bits, block, out[at : at + size])
+        at += size
+
+
+def dequantize_pieces_into(
+    row: torch.Tensor, spans: Sequence[tuple[int, int]], bits: int, block: int, out: torch.Tensor
+) -> None:
+    """The inverse of ``quantize_pieces_into``: each piece's values into ``out``."""
+    at = 0
+    for a, b in spans:
+        size = packed_bytes(b - a, bits, block)
+        out[a:b].copy_(dequantize(row[at : at + size], b - a, bits, block))
+        at += size

@@ -3,9 +3,11 @@
 
 [Note: ZeRO++ collectives]
 * qwZ: a unit's all-gather sends each rank's shard as one quantized row (see [Note:
-  block quantization] in quantize.py); when the gather completes every row, this
-  rank's own included, is dequantized into its chunk of the gather buffer, so every
-  rank holds bitwise the same weights. Tag "params-int8".
+  block quantization] in quantize.py), its blocks within a parameter each ([Note:
+  blocks within a parameter]; every rank knows where each rank's shard is cut, so the
+  rows are sized by the largest); when the gather completes every row, this rank's own
+  included, is dequantized into its chunk of the gather buffer, so every rank holds
+  bitwise the same weights. Tag "params-int8".
 * qgZ: a reduction of an (N, S) gradient buffer quantizes each row j (destined for
   rank j) and exchanges the rows in one all-to-all; the receiver dequantizes the N rows
   it got and sums them in fp32, in group-rank order, into its chunk. Tag "grads-int8"
@@ -25,14 +27,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .flat import FlatUnit
 from .interrupt import Interrupt
-from .quantize import dequantize, packed_bytes, quantize_into
+from .quantize import (
+    dequantize,
+    dequantize_pieces_into,
+    packed_bytes,
+    pieces,
+    pieces_bytes,
+    quantize_into,
+    quantize_pieces_into,
+)
 
 
 @dataclass
@@ -51,25 +63,44 @@ class Scratch:
         self.current -= sum(b.numel() for b in buffers)
 
 
+def shard_cuts(unit: FlatUnit) -> list[list[int]]:
+    """Per rank, the offsets inside its shard of ``unit`` where a parameter or the padding
+    begins: where qwZ cuts the shard (see [Note: blocks within a parameter])."""
+    size = unit.shard_numel
+    starts = [slot.offset for slot in unit.slots] + [unit.numel]
+    return [
+        [o - r * size for o in starts if r * size < o < (r + 1) * size]
+        for r in range(unit.shard_world)
+    ]
+
+
+def qwz_row_bytes(numel: int, cuts: Sequence[Sequence[int]], block: int) -> int:
+    """Bytes of each rank's int8 row for shards of ``numel`` elements cut at ``cuts``
+    (one list per rank): the largest rank's, so that the rows stack."""
+    return max(pieces_bytes(pieces(numel, c), 8, block) for c in cuts)
+
+
 def quantized_all_gather(
     communicator: comm.Communicator,
     shard: torch.Tensor,
     buffer: torch.Tensor,
     block: int,
     scratch: Scratch,
+    cuts: Sequence[Sequence[int]] | None = None,
 ) -> comm.Pending:
-    """qwZ: gather ``shard`` from every rank into ``buffer`` via int8 rows. See [Note:
-    ZeRO++ collectives]."""
+    """qwZ: gather ``shard`` from every rank into ``buffer`` via int8 rows, each rank's
+    shard cut at ``cuts[rank]`` (none: whole). See [Note: ZeRO++ collectives]."""
     n, numel = communicator.world, shard.numel()
-    row = packed_bytes(numel, 8, block)
+    spans = [pieces(numel, cuts[i] if cuts is not None else []) for i in range(n)]
+    row = max(pieces_bytes(s, 8, block) for s in spans)
     rows = scratch.take(n * row, shard.device).view(n, row)
-    quantize_into(shard, 8, block, rows[communicator.rank])
+    quantize_pieces_into(shard, spans[communicator.rank], 8, block, rows[communicator.rank])
     pending = communicator.all_gather(rows.view(-1), "params-int8")
 
     def unpack() -> None:
         chunks = buffer.view(n, -1)
         for i in range(n):
-            chunks[i].copy_(dequantize(rows[i], numel, 8, block))
+            dequantize_pieces_into(rows[i], spans[i], 8, block, chunks[i])
         scratch.give(rows)
 
     return pending.then(unpack)

@@ -17,6 +17,7 @@ from zeroservice.zeropp import (
     node_of,
     quantized_all_gather,
     quantized_reduce_scatter,
+    shard_cuts,
 )
 
 BLOCK = 64
@@ -105,6 +106,7 @@ def train(config: dict, steps: int = 6, watch_block: bool = False) -> dict:
         "backward_units": sorted(set(g.plan.recorded(sc.Pass.BACKWARD))),
         "forward_units": sorted(set(g.plan.recorded(sc.Pass.FORWARD))),
         "psi_padded": sum(u.padded_numel for u in engine.units),
+        "cuts": [shard_cuts(u) for u in engine.units],
     }
 
 
