@@ -103,23 +103,26 @@ def pieces_bytes(spans: Sequence[tuple[int, int]], bits: int, block: int) -> int
     return sum(packed_bytes(b - a, bits, block) for a, b in spans)
 
 
+def _rows_of(spans: Sequence[tuple[int, int]], bits: int, block: int):
+    """Per piece: its [start, end) in the tensor and its [start, end) in the row."""
+    at = 0
+    for a, b in spans:
+        size = packed_bytes(b - a, bits, block)
+        yield a, b, at, at + size
+        at += size
+
+
 def quantize_pieces_into(
     x: torch.Tensor, spans: Sequence[tuple[int, int]], bits: int, block: int, out: torch.Tensor
 ) -> None:
     """Write each piece of ``x`` (1-D) quantized, one after the other, into ``out``."""
-    at = 0
-    for a, b in spans:
-        size = packed_bytes(b - a, bits, block)
-        quantize_into(x[a:b], bits, block, out[at : at + size])
-        at += size
+    for a, b, r0, r1 in _rows_of(spans, bits, block):
+        quantize_into(x[a:b], bits, block, out[r0:r1])
 
 
 def dequantize_pieces_into(
     row: torch.Tensor, spans: Sequence[tuple[int, int]], bits: int, block: int, out: torch.Tensor
 ) -> None:
     """The inverse of ``quantize_pieces_into``: each piece's values into ``out``."""
-    at = 0
-    for a, b in spans:
-        size = packed_bytes(b - a, bits, block)
-        out[a:b].copy_(dequantize(row[at : at + size], b - a, bits, block))
-        at += size
+    for a, b, r0, r1 in _rows_of(spans, bits, block):
+        out[a:b].copy_(dequantize(row[r0:r1], b - a, bits, block))
