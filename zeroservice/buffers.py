@@ -104,10 +104,24 @@ class BufferCache:
     plus lent buffers stay within the most ever lent at once (capped by ``limit``):
     the cache never raises the high-water mark, it only keeps what the last peak will
     need again.
+
+    A buffer of more than ``largest_kept`` elements (an oversized unit's: a parameter
+    larger than C_B, such as an untied output head) is never kept idle. Its release
+    comes just before the moments a step peaks (the loss after the head's forward; the
+    head's gradient reduced in pieces after its backward), where an idle copy of the
+    whole parameter would sit beside them; malloc maps a block that large on its own,
+    so dropping it returns the memory and leaves no hole in the heap.
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, limit: int):
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        limit: int,
+        largest_kept: int | None = None,
+    ):
         self.dtype, self.device, self.limit = dtype, device, limit
+        self.largest_kept = limit if largest_kept is None else largest_kept
         self._free: dict[int, list[torch.Tensor]] = {}
         self.idle_elements = 0
         self.lent_elements = 0
@@ -127,7 +141,7 @@ class BufferCache:
         self.lent_elements -= numel
         cap = min(self.limit, self.peak_lent_elements)
         room = cap - self.lent_elements - self.idle_elements
-        if numel <= room and _sole_owner(buffer):
+        if numel <= min(room, self.largest_kept) and _sole_owner(buffer):
             self._free.setdefault(numel, []).append(buffer)
             self.idle_elements += numel
 

@@ -382,10 +382,17 @@ class Communicator:
         return self._pending(self._native(work), "all_to_all", tag, send)
 
     def buffer_bytes(self) -> int:
-        """The ring's receive scratch, or the shared segments this rank maps."""
+        """The ring's receive scratch (while held: see ``release_scratch``), or the shared
+        segments this rank maps."""
         if self.shm is not None:
             return self.shm.scratch_bytes
         return self.ring.scratch_bytes if self.ring is not None else 0
+
+    def release_scratch(self) -> None:
+        """No reduce-scatter is queued (a backward's reductions completed): the ring's
+        receive scratch goes until the next one. See [Note: rings on gloo] in ring.py."""
+        if self.ring is not None:
+            self.ring.release()
 
     def close(self) -> None:
         """Stop the ring's and the waiter's threads; after an interrupt, without

@@ -195,13 +195,14 @@ class Engine:
         grad_comm_dtype = reduce_dtype(config.precision, config.reduce_dtype)
         if self.comm.ring is not None:
             largest_shard = max(u.shard_numel for u in self.units)
-            self.comm.ring.reserve(largest_shard, grad_comm_dtype, self.units[0].flat.device)
+            self.comm.ring.reserve(largest_shard, grad_comm_dtype)
         cache = None
         if self.policy.partitions_params:
             # Gathered units and gradient staging share one set of reused buffers.
             largest = max(u.padded_numel for u in self.units)
             limit = max(budget.prefetch_elements, 2 * largest)
-            cache = BufferCache(dtype, self.units[0].flat.device, limit)
+            # An oversized unit's buffer is not kept idle: see BufferCache.
+            cache = BufferCache(dtype, self.units[0].flat.device, limit, largest_kept=block)
         self.reducer = GradReducer(
             self.trainable_units,
             self.policy,
@@ -358,6 +359,7 @@ class Engine:
             scale = self.loss_scale / self.config.gradient_accumulation_steps
             (loss * scale if scale != 1.0 else loss).backward()
             self.reducer.finalize_backward()
+            self.comm.release_scratch()
             if self.gatherer is not None:
                 self.gatherer.end_backward()
         except BaseException:

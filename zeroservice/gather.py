@@ -191,6 +191,7 @@ class ParamGatherer:
         for index in self._windows.pop():
             self._views.pop(index, None)
             self._release(index)
+        self._drop_idle_after_last_gather()
         if is_root and not self._windows:
             self._views.clear()
             self._release_all()
@@ -326,6 +327,19 @@ class ParamGatherer:
             self.on_demand_gathers += 1
         if following:
             self._prefetch(phase)
+        self._drop_idle_after_last_gather()
+
+    def _drop_idle_after_last_gather(self) -> None:
+        """Once the forward has issued its last gather (as its plan says), no buffer
+        that is idle now would be taken again before the backward: it would only sit
+        beside the head's product and the loss, where the forward peaks."""
+        if self.reducer.state.value.in_backward:
+            return
+        remaining = self.plan.remaining(Pass.FORWARD)
+        if remaining is not None and all(
+            i in self._live or i in self.persistent for i in remaining
+        ):
+            self.cache.clear()
 
     def _prefetch(self, phase: Pass) -> None:
         """Gather the plan's next units while they fit the budget (see prefetch.py)."""

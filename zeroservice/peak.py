@@ -11,15 +11,25 @@ largest:
 * ``forward``: inside the loss, every block's saved tensors (or, checkpointed, the
   checkpoint arena) still held and the logits, their fp32 copy and the log-softmax (or
   shifted logits and their exponentials with a vocabulary split over MP) alive at once;
+  ``head`` (stage 3, an untied head): the head gathered whole beside the logits it makes;
 * ``backward``: at its first node, the log-softmax's backward holds its output, its
   incoming gradient and the gradient it makes (3 fp32 logits) beside all saved
-  tensors; ``recompute`` (checkpointed): the last block's recomputation and the first
-  node of its backward beside the arena; ``blocks`` (stage 3 without checkpointing):
-  the saved tensors beside two unit-sized gradient staging buffers borrowed from the
-  gather cache; ``pieces`` (stage 3, an untied head larger than C_B): the head's whole
-  gradient reduced through two C_B pool buffers into its shard, beside the saved
-  tensors;
+  tensors; ``head backward`` (stage 3, an untied head): the head gathered again, the
+  logits' gradient and the head's weight gradient; ``recompute`` (checkpointed): the
+  last block's recomputation and the first node of its backward beside the arena;
+  ``blocks`` (stage 3 without checkpointing): the saved tensors beside two unit-sized
+  gradient staging buffers borrowed from the gather cache; ``pieces`` (stage 3, an
+  untied head larger than C_B): the head's whole gradient reduced through two C_B pool
+  buffers into its shard, beside the saved tensors; ``embedding`` (stage 3, an untied
+  embedding larger than C_B): the last reduction, its dense gradient through the same
+  buffers once every other shard is written;
 * ``step``: mixed precision casts every gradient shard to fp32 before the update.
+
+At stage 3 the gather cache keeps nothing idle after the forward's last gather and no
+buffer of a unit larger than C_B (buffers.py, gather.py), so at the loss, around the
+head and at ``pieces`` only the units that stay gathered (persistent, the root's) are
+held beside the head where it is gathered; the ring's receive scratch is held only while
+a backward reduces (ring.py): ``blocks``, ``recompute``, ``pieces`` and ``embedding``.
 
 At stages 2 and 3 the gradient shards exist only from the backward's first reduction to
 the step (reduce.py, [Note: gradient lifetime]), and on a CPU a shard's pages are
@@ -154,9 +164,10 @@ class PeakPrediction:
     """Bytes one rank holds at its peak, by kind, and where the peak happens."""
 
     phase: str
-    """"forward", "backward" (its first node), "recompute" (a checkpointed block's
-    recomputation, later in backward), "blocks", "pieces" (stage 3) or "step": the
-    moment of the largest total. See [Note: peak model]."""
+    """"forward", "head", "backward" (its first node), "head backward", "recompute" (a
+    checkpointed block's recomputation, later in backward), "blocks", "pieces",
+    "embedding" (stage 3) or "step": the moment of the largest total. See [Note: peak
+    model]."""
     peak: int
     """The largest of ``phases``: what VmHWM above start-up should read on CPU."""
     model_states: int
@@ -331,6 +342,11 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         largest_shard = largest // (c.dp if c.stage > 0 else 1)
         ring = min(largest_shard, units.block // c.dp) * p
     gathered = _gathered_elements(units) * p if c.stage == 3 else 0
+    # Stage 3 at the loss and around the head's backward: the head's buffer released, and
+    # nothing idle (an oversized unit's buffer is never kept, and the cache is emptied
+    # after the forward's last gather: buffers.py, gather.py): only the units that stay
+    # gathered (persistent, the root's).
+    settled = _settled_elements(units) * p if c.stage == 3 else 0
 
     # Activations (models/gpt.py, activations.py), B tokens on this rank.
     s = cfg.seq_len if c.seq_len is None else c.seq_len
@@ -344,24 +360,48 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     saved = 0 if c.activation_checkpointing else cfg.n_layer * block
     native = native_bf16_matmul() if c.native_bf16 is None else c.native_bf16
     kernels = BF16_MATMUL_SHAPES * BF16_KERNEL_BYTES if native and c.precision == "bf16" else 0
-    resident = states + host_grads + written + ring + gathered
+    # The ring's scratch is held only while a backward's reductions run (ring.py); the
+    # shared segments of "shm" stay mapped.
+    ring_held = ring if c.collectives == "shm" else 0
+    reducing = ring - ring_held
+    resident = states + host_grads + written + ring_held + gathered
     # Stages 2/3 hold no gradient shard from the step until the backward's first
     # reduction (reduce.py, [Note: gradient lifetime]); one micro-batch per step.
     before_reduction = resident - (grads if c.stage >= 2 else 0)
+    at_loss = before_reduction - gathered + settled
     loss_fwd, loss_bwd = _loss_bytes(tokens * v, p, t)
     forward = {
-        "resident": before_reduction,
+        "resident": at_loss,
         "activations": saved + tail,
         "arena": arena,
         "loss": loss_fwd,
     }
     backward_start = {
-        "resident": before_reduction,
+        "resident": at_loss,
         "activations": forward["activations"],
         "arena": arena,
         "loss": loss_bwd,
     }
     phases = {"forward": forward, "backward": backward_start}
+    head = v * h if not cfg.tie_weights else 0
+    if c.stage == 3 and head:
+        # An untied head is gathered for its product: in forward beside the logits it
+        # makes; in backward beside the logits' gradient and its own weight's gradient.
+        whole = padded_size(head, c.dp) * p
+        phases["head"] = {
+            "resident": at_loss,
+            "activations": forward["activations"],
+            "arena": arena,
+            "gathered head": whole,
+            "logits": tokens * v * p,
+        }
+        phases["head backward"] = {
+            "resident": at_loss,
+            "activations": forward["activations"],
+            "arena": arena,
+            "gathered head": whole,
+            "gradients": tokens * v * p + head * p,
+        }
     # Stage 3 stages gradients in unit-sized buffers borrowed from the gather cache, at
     # most two in flight (reduce.py): beside the blocks' backward, not at its first node.
     borrowed = 0
@@ -376,24 +416,29 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
             "resident": before_reduction + written_grads,
             "arena": arena,
             "activations": _recompute_bytes(c, block, tokens, p),
-            "gradient staging": borrowed,
+            "gradient staging": borrowed + reducing,
         }
     elif borrowed:
         phases["blocks"] = {
             "resident": before_reduction + written_grads,
             "activations": saved + tokens * h * p,
-            "gradient staging": borrowed,
+            "gradient staging": borrowed + reducing,
         }
-    head = v * h if not cfg.tie_weights else 0
     if c.stage == 3 and padded_size(head, c.dp) > units.block:
         # An untied head above C_B is the backward's first unit to reduce: its whole
         # gradient, as autograd made it, goes through the two pool buffers in pieces
-        # into its shard, beside every block's saved tensors.
+        # into its shard, beside every block's saved tensors. The untied embedding, as
+        # large, is the last: its dense gradient goes the same way once every other
+        # shard is written and the saved tensors are gone.
         phases["pieces"] = {
-            "resident": before_reduction,
+            "resident": at_loss,
             "activations": forward["activations"],
             "arena": arena,
-            "gradient staging": staging + head * p + padded_size(head, c.dp) // c.dp * p,
+            "gradient staging": staging + reducing + head * p + padded_size(head, c.dp) // c.dp * p,
+        }
+        phases["embedding"] = {
+            "resident": at_loss + grads,
+            "gradient staging": staging + reducing + head * p,
         }
     phases["step"] = {"resident": resident + arena, "fp32 gradients": _step_casts(c, units)}
     if kernels:
@@ -453,13 +498,15 @@ def _step_casts(c: PeakConfig, units: _Units) -> int:
     return 4 * (max(shards) if c.offload_optimizer else sum(shards))
 
 
-def _gathered_elements(units: _Units) -> int:
-    """Stage 3: the most unit elements gathered at once (gather.py). Units of at most
-    ``persistence_elements`` stay gathered (smallest first, within ``persistent_total``);
-    the root's stay gathered through the forward; each group's are gathered when it
-    runs, and the next ones in pass order ahead of use while all live units fit the
-    prefetch budget. The forward and the backward (reverse order, without the
-    embeddings, whose backward reads no weight) are walked; the larger is kept."""
+def _settled_elements(units: _Units) -> int:
+    """Stage 3: the unit elements gathered outside any group's window: the persistent
+    units and the root's."""
+    return _persistent_and_root(units)[1]
+
+
+def _persistent_and_root(units: _Units) -> tuple[set[int], int]:
+    """Stage 3: the persistent units (indices into the groups' units, flattened) and the
+    elements of those and the root's units together."""
     b = units.budgets
     flat = [(g, n) for g, sizes in enumerate(units.groups) for n in sizes]
     persistent: set[int] = set()
@@ -472,7 +519,21 @@ def _gathered_elements(units: _Units) -> int:
             break
         persistent.add(i)
         held += n
-    base = held + sum(n for i, (g, n) in enumerate(flat) if g == 0 and i not in persistent)
+    return persistent, held + sum(
+        n for i, (g, n) in enumerate(flat) if g == 0 and i not in persistent
+    )
+
+
+def _gathered_elements(units: _Units) -> int:
+    """Stage 3: the most unit elements gathered at once (gather.py). Units of at most
+    ``persistence_elements`` stay gathered (smallest first, within ``persistent_total``);
+    the root's stay gathered through the forward; each group's are gathered when it
+    runs, and the next ones in pass order ahead of use while all live units fit the
+    prefetch budget. The forward and the backward (reverse order, without the
+    embeddings, whose backward reads no weight) are walked; the larger is kept."""
+    b = units.budgets
+    flat = [(g, n) for g, sizes in enumerate(units.groups) for n in sizes]
+    persistent, base = _persistent_and_root(units)
     forward = list(range(1, len(units.groups)))
     backward = [g for g in reversed(forward) if units.names[g] not in ("wte", "wpe")]
     most = base

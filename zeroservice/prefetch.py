@@ -53,6 +53,12 @@ class PrefetchPlan:
         """The order the last finished pass of this kind requested its units in."""
         return list(self._orders[phase].plan)
 
+    def remaining(self, phase: Pass) -> list[int] | None:
+        """The units the running pass has still to request, or None once it left the
+        plan (or had none to follow)."""
+        order = self._orders[phase]
+        return order.plan[order.pos :] if order.following else None
+
     def upcoming(self, phase: Pass) -> list[int]:
         """The units the plan says come next, in order."""
         order = self._orders[phase]

@@ -20,6 +20,9 @@ blocks of at most ``max_chunk`` columns, one block after the other, so the scrat
 never exceeds ``max_chunk`` elements however large the buffer. Every element still
 receives the same additions in the same order, so the result is bit for bit the one
 of a single pass. All-gather receives straight into the buffer and needs no scratch.
+Only gradient reductions reduce-scatter, so the engine lets the scratch go after each
+backward (``release``): the forward and the step, where a step peaks, run without it,
+and the next reduce-scatter allocates it again.
 """
 
 from __future__ import annotations
@@ -52,23 +55,48 @@ class RingComm(OrderedCollectives):
         self.next = global_rank((self.rank + 1) % self.world)
         self.prev = global_rank((self.rank - 1) % self.world)
         self._scratch: torch.Tensor | None = None
+        self._numel = 0
+        """Elements of the scratch: the largest chunk reserved so far."""
+        self.scratch_bytes = 0
+        """Bytes of the receive scratch while held (the largest reserved)."""
 
     @property
-    def scratch_bytes(self) -> int:
+    def held_scratch_bytes(self) -> int:
+        """Bytes of the receive scratch allocated now (0 after ``release``)."""
         s = self._scratch
         return 0 if s is None else s.numel() * s.element_size()
 
-    def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the receive buffer up front: the largest chunk, capped at ``max_chunk``."""
+    def reserve(self, numel: int, dtype: torch.dtype) -> None:
+        """Size the receive buffer for chunks of ``numel`` elements (capped at
+        ``max_chunk``); the first reduce-scatter that needs it allocates it."""
         if self.max_chunk is not None:
             numel = min(numel, self.max_chunk)
+        self._numel = max(self._numel, numel)
+        self.scratch_bytes = max(self.scratch_bytes, self._numel * dtype.itemsize)
+
+    def _held_scratch(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         s = self._scratch
-        if s is None or s.numel() < numel or s.dtype != dtype or s.device != device:
-            self._scratch = torch.empty(numel, dtype=dtype, device=device)
+        if s is None or s.numel() < self._numel or s.dtype != dtype or s.device != device:
+            s = self._scratch = torch.empty(self._numel, dtype=dtype, device=device)
+        return s
+
+    def release(self) -> None:
+        """Let the scratch go (after a backward's reductions); the next reduce-scatter
+        allocates it again."""
+        self._scratch = None
 
     def reduce_scatter(self, buffer: torch.Tensor) -> Future[float]:
         """Sum ``buffer`` across ranks into its chunk ``rank``; returns seconds taken."""
-        return self._thread.submit(self._reduce_scatter, buffer)
+        # The scratch is allocated here, by the caller's thread (its allocator arena),
+        # and handed to the job, which keeps it alive even if ``release`` comes first.
+        self.reserve(self._block(buffer), buffer.dtype)
+        scratch = self._held_scratch(buffer.dtype, buffer.device)
+        return self._thread.submit(self._reduce_scatter, buffer, scratch)
+
+    def _block(self, buffer: torch.Tensor) -> int:
+        """Columns of the (N, S) view reduced in one pass."""
+        columns = buffer.numel() // self.world
+        return columns if self.max_chunk is None else min(columns, self.max_chunk)
 
     def all_gather(self, buffer: torch.Tensor) -> Future[float]:
         """Fill every chunk of ``buffer`` from the rank that owns it; returns seconds."""
@@ -83,17 +111,15 @@ class RingComm(OrderedCollectives):
             if req is not None:
                 req.wait()
 
-    def _reduce_scatter(self, buffer: torch.Tensor) -> float:
+    def _reduce_scatter(self, buffer: torch.Tensor, scratch: torch.Tensor) -> float:
         t0 = time.perf_counter()
         n, r = self.world, self.rank
         chunks = buffer.view(n, -1)
         columns = chunks.shape[1]
-        block = columns if self.max_chunk is None else min(columns, self.max_chunk)
-        self.reserve(block, buffer.dtype, buffer.device)
-        assert self._scratch is not None
+        block = self._block(buffer)
         for c0 in range(0, columns, max(block, 1)):
             c1 = min(columns, c0 + block)
-            recv = self._scratch[: c1 - c0]
+            recv = scratch[: c1 - c0]
             for s in range(n - 1):
                 self._exchange(chunks[(r - s - 1) % n, c0:c1], recv)
                 chunks[(r - s - 2) % n, c0:c1].add_(recv)
