@@ -111,9 +111,9 @@ def _engine_like(engine) -> tuple[Callable, Callable]:
     return backward, engine.step
 
 
-def ours(stage: int, collectives: str = "auto") -> Callable[[GPT], Trainer]:
+def ours(stage: int, collectives: str = "auto", **extra: object) -> Callable[[GPT], Trainer]:
     def build(model: GPT) -> Trainer:
-        config = {"stage": stage, "collectives": collectives}
+        config = {"stage": stage, "collectives": collectives, **extra}
         engine = zeroservice.initialize(model, config, optimizer=_adamw)
         return Trainer(
             *_engine_like(engine),
@@ -188,6 +188,8 @@ SYSTEMS: dict[str, tuple[int, Callable[[GPT], Trainer]]] = {
     "zero1-shm": (1, ours(1, "shm")),
     "zero2-shm": (2, ours(2, "shm")),
     "zero3-shm": (3, ours(3, "shm")),
+    # Stage 3 handing freed heap pages back to the system (trim_host_memory).
+    "zero3-trim": (3, ours(3, trim_host_memory=True)),
     "ddp": (0, ddp),
     "ddp-view": (0, ddp_bucket_view),
     "torch_zero1": (1, torch_zero1),

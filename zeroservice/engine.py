@@ -27,6 +27,7 @@ from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .gather import ParamGatherer
 from .gather_check import GatherCheck
+from .host_memory import HostTrim
 from .interrupt import Interrupt
 from .memory import (
     MemoryLedger,
@@ -196,6 +197,10 @@ class Engine:
         if self.comm.ring is not None:
             largest_shard = max(u.shard_numel for u in self.units)
             self.comm.ring.reserve(largest_shard, grad_comm_dtype)
+        self.host_trim = HostTrim(
+            config.trim_host_memory and self.units[0].flat.device.type == "cpu"
+        )
+        """Freed heap pages back to the system at pass boundaries (host_memory.py)."""
         cache = None
         if self.policy.partitions_params:
             # Gathered units and gradient staging share one set of reused buffers.
@@ -222,6 +227,7 @@ class Engine:
             ),
             node=self.node_groups if config.quantized_gradients != "none" else None,
             scratch=self.quant_scratch,
+            after_unit_backward=self.host_trim,
         )
         if self.policy.partitions_params:
             assert cache is not None
@@ -245,6 +251,7 @@ class Engine:
                     else None
                 ),
                 scratch=self.quant_scratch,
+                after_unit_backward=self.host_trim,
             )
         self.optimizer = ShardedOptimizer(
             self.trainable_units,
@@ -299,6 +306,8 @@ class Engine:
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._require_state("forward")
+        if torch.is_grad_enabled():
+            self.host_trim()  # what the last step freed: see [Note: host heap trimming]
         if self.config.broadcast_buffers:
             self._broadcast_buffers()
         if self.gatherer is not None and torch.is_grad_enabled():
@@ -357,6 +366,7 @@ class Engine:
             if self.gatherer is not None:
                 self.gatherer.begin_backward()
             scale = self.loss_scale / self.config.gradient_accumulation_steps
+            self.host_trim()  # what the forward freed
             (loss * scale if scale != 1.0 else loss).backward()
             self.reducer.finalize_backward()
             self.comm.release_scratch()

@@ -34,7 +34,7 @@ within the node from secondary shards (hpZ): see [Note: ZeRO++ collectives] in z
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -94,6 +94,7 @@ class ParamGatherer:
         quantize_block: int | None = None,
         secondary: Secondary | None = None,
         scratch: Scratch | None = None,
+        after_unit_backward: Callable[[], None] | None = None,
     ):
         self.root, self.units, self.comm, self.reducer = root, units, communicator, reducer
         self.quantize_block = quantize_block
@@ -103,6 +104,9 @@ class ParamGatherer:
         self.secondary = secondary
         """hpZ: secondary shards kept by forward gathers for backward (None: off)."""
         self.scratch = scratch if scratch is not None else Scratch()
+        self.after_unit_backward = after_unit_backward
+        """Called once a unit's backward is done and its reduction launched (the engine
+        hands freed heap pages back there: see [Note: host heap trimming])."""
         self.check = check
         """Debug consensus on every gather (see gather_check.py), or None."""
         self.prefetch_elements = prefetch_elements
@@ -248,6 +252,8 @@ class ParamGatherer:
                 self.reducer.stage_grad(unit, slot, grad)
         if last:
             self.reducer.launch_now(unit)
+            if self.after_unit_backward is not None:
+                self.after_unit_backward()
 
     def end_backward(self) -> None:
         """After the reducer finished: drop what backward gathered, reset the node counts."""

@@ -127,8 +127,12 @@ class GradReducer:
         quantized: tuple[int, int] | None = None,
         node: NodeGroups | None = None,
         scratch: Scratch | None = None,
+        after_unit_backward: Callable[[], None] | None = None,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
+        self.after_unit_backward = after_unit_backward
+        """Stages 0-2: called once backward has produced all of a unit's gradients (the
+        engine hands freed heap pages back there: see [Note: host heap trimming])."""
         self.quantized = quantized
         """qgZ: (bits, block) of the quantized all-to-all that replaces the reduce-scatter
         (None: off); two hops over ``node`` when given. See [Note: ZeRO++ collectives]."""
@@ -276,12 +280,15 @@ class GradReducer:
             self.stage_grad(unit, slot_index, param.grad)
             param.grad = None
         self._ready[unit.index] += 1
-        if self._ready[unit.index] == len(unit.slots):
+        finished = self._ready[unit.index] == len(unit.slots)
+        if finished:
             self._finished.append(unit.index)
         self._launch_ready()
         if not self.overlap:  # wait now: backward does not run beside a reduction
             while self._inflight:
                 self._complete_oldest()
+        if finished and self.after_unit_backward is not None:
+            self.after_unit_backward()
 
     def stage_grad(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Copy one gradient into the unit's staging buffer (added if already staged).

@@ -32,6 +32,7 @@ from zeroservice.schedule import lr_factor
         ({"stage3_grouping": "layers"}, "stage3_grouping"),
         ({"stage3_prefetch_elements": -1}, "stage3_prefetch_elements"),
         ({"stage3_persistence_elements": 1.5}, "stage3_persistence_elements"),
+        ({"trim_host_memory": "yes"}, "trim_host_memory"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
