@@ -200,7 +200,8 @@ class Engine:
         self.host_trim = HostTrim(
             config.trim_host_memory and self.units[0].flat.device.type == "cpu"
         )
-        """Freed heap pages back to the system at pass boundaries (host_memory.py)."""
+        """``trim_host_memory``: freed heap pages back to the system before each pass and
+        after each unit's backward. See [Note: host heap trimming] in host_memory.py."""
         cache = None
         if self.policy.partitions_params:
             # Gathered units and gradient staging share one set of reused buffers.
