@@ -188,7 +188,8 @@ SYSTEMS: dict[str, tuple[int, Callable[[GPT], Trainer]]] = {
     "zero1-shm": (1, ours(1, "shm")),
     "zero2-shm": (2, ours(2, "shm")),
     "zero3-shm": (3, ours(3, "shm")),
-    # Stage 3 handing freed heap pages back to the system (trim_host_memory).
+    # Handing freed heap pages back to the system (trim_host_memory).
+    "zero0-trim": (0, ours(0, trim_host_memory=True)),
     "zero3-trim": (3, ours(3, trim_host_memory=True)),
     "ddp": (0, ddp),
     "ddp-view": (0, ddp_bucket_view),

@@ -389,8 +389,8 @@ class Communicator:
         return self.ring.scratch_bytes if self.ring is not None else 0
 
     def release_scratch(self) -> None:
-        """No reduce-scatter is queued (a backward's reductions completed): the ring's
-        receive scratch goes until the next one. See [Note: rings on gloo] in ring.py."""
+        """After a backward's reductions: the ring's receive scratch goes until the next
+        reduce-scatter allocates it. See [Note: rings on gloo] in ring.py."""
         if self.ring is not None:
             self.ring.release()
 

@@ -178,7 +178,7 @@ class ZeroConfig:
     the heaps hold at least 64 MiB free): under glibc's default settings the resident
     size then follows the live tensors rather than everything a pass freed, at the cost
     of faulting the pages in again. Off by default: on the 106M GPT at stage 3 it cuts
-    the peak by a sixth for 6-9% of step time, on a 7.4M GPT it costs 30%. See [Note:
+    the peak by a sixth for 6-9% of step time, on a 7.4M GPT it costs 23-28%. See [Note:
     host heap trimming] in host_memory.py."""
     fuse_optimizer: bool = True
     """When the factory returns torch's Adam or AdamW with neither ``foreach`` nor

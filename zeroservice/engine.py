@@ -202,6 +202,7 @@ class Engine:
         )
         """``trim_host_memory``: freed heap pages back to the system before each pass and
         after each unit's backward. See [Note: host heap trimming] in host_memory.py."""
+        trim = self.host_trim if self.host_trim.active else None
         cache = None
         if self.policy.partitions_params:
             # Gathered units and gradient staging share one set of reused buffers.
@@ -228,7 +229,7 @@ class Engine:
             ),
             node=self.node_groups if config.quantized_gradients != "none" else None,
             scratch=self.quant_scratch,
-            after_unit_backward=self.host_trim,
+            after_unit_backward=trim,
         )
         if self.policy.partitions_params:
             assert cache is not None
@@ -252,7 +253,7 @@ class Engine:
                     else None
                 ),
                 scratch=self.quant_scratch,
-                after_unit_backward=self.host_trim,
+                after_unit_backward=trim,
             )
         self.optimizer = ShardedOptimizer(
             self.trainable_units,

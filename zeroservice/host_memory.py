@@ -22,9 +22,9 @@ faults. With ``MALLOC_MMAP_THRESHOLD_`` set the heaps hold little and nothing is
 trimmed. Still, a heap of a few hundred MiB refaulted every step is a cost the user
 should choose: on the 106M GPT at stage 3 (world 2, glibc's default) the peak falls
 from 1740-1776 to 1456-1459 MiB for 6-9% of step time, but on the 7.4M GPT the step
-takes 31% longer at stage 3 (17% at stage 0). So it is on only with ``trim_host_memory:
-true``, and a no-op where the C library has no ``malloc_trim`` (musl, macOS) or the
-engine's tensors are not on the CPU.
+takes 28% longer at stage 3 and 23% at stage 0 for 28-34 MiB (docs/benchmarks.md).
+So it is on only with ``trim_host_memory: true``, and a no-op where the C library has
+no ``malloc_trim`` (musl, macOS) or the engine's tensors are not on the CPU.
 """
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     # nothing idle (an oversized unit's buffer is never kept, and the cache is emptied
     # after the forward's last gather: buffers.py, gather.py): only the units that stay
     # gathered (persistent, the root's).
-    settled = _settled_elements(units) * p if c.stage == 3 else 0
+    settled = _persistent_and_root(units)[1] * p if c.stage == 3 else 0
 
     # Activations (models/gpt.py, activations.py), B tokens on this rank.
     s = cfg.seq_len if c.seq_len is None else c.seq_len
@@ -498,15 +498,9 @@ def _step_casts(c: PeakConfig, units: _Units) -> int:
     return 4 * (max(shards) if c.offload_optimizer else sum(shards))
 
 
-def _settled_elements(units: _Units) -> int:
-    """Stage 3: the unit elements gathered outside any group's window: the persistent
-    units and the root's."""
-    return _persistent_and_root(units)[1]
-
-
 def _persistent_and_root(units: _Units) -> tuple[set[int], int]:
     """Stage 3: the persistent units (indices into the groups' units, flattened) and the
-    elements of those and the root's units together."""
+    elements gathered outside any group's window: those and the root's units."""
     b = units.budgets
     flat = [(g, n) for g, sizes in enumerate(units.groups) for n in sizes]
     persistent: set[int] = set()
