@@ -196,7 +196,8 @@ class RankWorker:
         held in host memory: after a lost peer, the engine's last redundant copies (its
         own shards and its neighbour's, at the last refresh and the one before: see
         ``Engine.peer_snapshots``); to grow, every member alive at a step
-        boundary, a copy taken now. A newcomer holds nothing. The new engine is
+        boundary, its state now, lent rather than copied (``snapshot_now(lend=True)``).
+        A newcomer holds nothing. The new engine is
         restored from what the members hold together; when that lacks a lost rank's
         shards (no redundancy, or two neighbours lost), every rank loads the newest
         checkpoint instead, and ``RankSetup.fallback`` says why."""
@@ -207,8 +208,8 @@ class RankWorker:
             self._membership = None  # until the re-formed group is ready
             laps, held = Laps(), None
             if self.engine is not None:
-                if grow:
-                    held = self.engine.snapshot_now()
+                if grow:  # lent, not copied: this engine is dropped below
+                    held = self.engine.snapshot_now(lend=True)
                 elif world > 1 or self.spec.resources.mp > 1:
                     # Several holders may stand at two steps (a refresh cut short).
                     held = self.engine.peer_snapshots()

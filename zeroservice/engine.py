@@ -565,9 +565,12 @@ class Engine:
         newest they cover together."""
         return self.host_copies.hand_out(with_spare=True) if self.host_copies is not None else []
 
-    def snapshot_now(self) -> PeerSnapshot:
+    def snapshot_now(self, lend: bool = False) -> PeerSnapshot:
         """This rank's own state at the current step boundary, in host memory (no
-        collective): what existing ranks pass to ``restore_from_peers`` to grow."""
+        collective): what existing ranks pass to ``restore_from_peers`` to grow.
+        ``lend``: this engine's own host tensors by reference, not a copy, for a caller
+        that closes this engine and never trains it again (see [Note: a grow lends its
+        state] in checkpoint/peers.py)."""
         from .checkpoint import CheckpointError
         from .checkpoint.peers import take_copy
 
@@ -577,7 +580,7 @@ class Engine:
                 f"snapshot_now: {self.micro_steps} micro-batch(es) accumulated since the "
                 "last step; call it after engine.step() completes an optimizer step"
             )
-        return take_copy(self._sharded_state())
+        return take_copy(self._sharded_state(), lend_state=lend)
 
     def restore_from_peers(self, held: PeerSnapshot | list[PeerSnapshot] | None) -> LoadResult:
         """Restore the newest step the ranks' host copies cover, from memory (a

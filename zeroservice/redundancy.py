@@ -92,8 +92,9 @@ class HostCopies:
             return
         own_into = neighbour_into = None
         if spare is not None and not self._is_handed_out(spare):
-            own_into = spare.copies[spare.own].data
-            others = [c.data for r, c in spare.copies.items() if r != spare.own]
+            buffers = {r: c.data for r, c in spare.copies.items() if isinstance(c, HeldCopy)}
+            own_into = buffers.get(spare.own)
+            others = [data for r, data in buffers.items() if r != spare.own]
             neighbour_into = others[0] if others else None
         snapshot = take_copy(state, into=own_into)
         if not state.whole and state.world > 1:
@@ -110,6 +111,7 @@ class HostCopies:
         rank, world = self.comm.rank, self.comm.world
         dst, src = (rank - 1) % world, (rank + 1) % world
         own = snapshot.copies[snapshot.own]
+        assert isinstance(own, HeldCopy)  # packed by take_copy, never lent
         meta = json.dumps(own.meta()).encode()
         sizes = torch.tensor([len(meta), own.nbytes], dtype=torch.int64)
         their_sizes = torch.empty(2, dtype=torch.int64)

@@ -5,6 +5,7 @@ a new one on a fresh FileStore, as a caller would after a failure."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -335,10 +336,14 @@ def lost_neighbours(spec: Spec, leave: list[int], store: str, steps: int) -> dic
     return {"left": False, "error": error, "diffs": differences(before, captured(fresh))}
 
 
-def grow(spec: Spec, root: str, steps: int, direct_bytes: int | None = None) -> dict:
+def grow(
+    spec: Spec, root: str, steps: int, direct_bytes: int | None = None, lend: bool = False
+) -> dict:
     """Ranks 0 and 1 train on a group of their own (no redundancy) and hand their state
     to a 3-rank engine that includes newcomer rank 2 (holding None). ``direct_bytes``
-    overrides peers.DIRECT_BYTES (this model's slices are all below the default)."""
+    overrides peers.DIRECT_BYTES (this model's slices are all below the default);
+    ``lend``: the old engines lend their tensors (``snapshot_now(lend=True)``), and are
+    closed and dropped before the new engine is built."""
     if direct_bytes is not None:
         peers.DIRECT_BYTES = direct_bytes
     rank = dist.get_rank()
@@ -351,13 +356,40 @@ def grow(spec: Spec, root: str, steps: int, direct_bytes: int | None = None) -> 
             engine.backward(engine(x, y))
             engine.step()
         engine.save_checkpoint(root)
-        held = engine.snapshot_now()
+        held = engine.snapshot_now(lend=lend)
+        own = held.copies[held.own]
+        engine_storages = {m.untyped_storage().data_ptr() for m in engine.optimizer.masters}
         ledger = {
             "held": engine.memory_ledger().redundancy_host,
             "tags": sorted({tag for _, tag in engine.comm_ledger().entries}),
+            "lent": isinstance(own, peers.LentCopy),
+            # Lent: the masters' segments are the engine's own storage, not copies.
+            "shared": [
+                t.untyped_storage().data_ptr() in engine_storages
+                for seg, t in zip(own.segments, own.tensors, strict=True)
+                if seg["kind"] == "master"
+            ]
+            if lend
+            else [],
         }
         engine.close()
+        del engine
+        gc.collect()
     return {"ledger": ledger} | _compare(spec, 1, held, root, steps, 2)
+
+
+def reform_from_lent(spec: Spec, root: str, steps: int) -> dict:
+    """Every rank lends its engine's state, closes and drops the engine, and a new
+    engine of the same group restores from the lent tensors (every stage: stage 3's
+    closed engine keeps its shards)."""
+    engine = engine_for(spec)
+    _train(engine, spec, range(steps))
+    engine.save_checkpoint(root)
+    held = engine.snapshot_now(lend=True)
+    engine.close()
+    del engine
+    gc.collect()
+    return _compare(spec, 1, held, root, steps, 2)
 
 
 def snapshot_mid_accumulation() -> list[str]:

@@ -162,13 +162,18 @@ def test_an_interrupt_frees_ranks_blocked_on_a_silent_peer(tmp_path, collectives
         _assert_restored(r, 2)
 
 
-def _grown(tmp_path, name: str, direct_bytes: int | None) -> tuple[int, int]:
+def _grown(
+    tmp_path, name: str, direct_bytes: int | None, stage: int = 2, lend: bool = False
+) -> tuple[int, int]:
     """Grow 2 -> 3 (see ps.grow); the newcomer's (messages, bytes) received."""
-    results = run_local(ps.grow, 3, Spec(stage=2), str(tmp_path / name), 3, direct_bytes)
+    results = run_local(ps.grow, 3, Spec(stage=stage), str(tmp_path / name), 3, direct_bytes, lend)
     for r in results:
         _assert_restored(r, 3)
     for r in results[:2]:  # redundancy "none": no copy held, no redundancy traffic
         assert r["ledger"]["held"] == 0 and "redundancy" not in r["ledger"]["tags"]
+        assert r["ledger"]["lent"] is lend
+        assert r["ledger"]["shared"] == ([True] * len(r["ledger"]["shared"]) if lend else [])
+        assert not lend or r["ledger"]["shared"], "no master segment lent"
     assert results[2]["ledger"] is None
     return results[2]["load_received"]
 
@@ -188,6 +193,22 @@ def test_grow_receives_large_slices_in_place(tmp_path):
     assert per_slice > 20 and 1 < mixed < per_slice, (per_slice, mixed)
     # Packed slices may pay up to ALIGN - 1 bytes of alignment each; direct ones none.
     assert received <= mixed_received < received + ALIGN * per_slice
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_grow_from_lent_state_after_the_old_engine_is_dropped(tmp_path, stage):
+    """The old ranks lend their engines' own tensors (no copy) and drop the engines;
+    the grown group equals the one loaded from the same step's checkpoint, exactly, as
+    from packed copies. Large slices too go straight from the lent tensors."""
+    _grown(tmp_path, "lent", None, stage=stage, lend=True)
+    _grown(tmp_path, "lent-direct", 1, stage=stage, lend=True)
+
+
+def test_lent_state_outlives_a_closed_stage_3_engine(tmp_path):
+    """Stage 3 closes its engine with the module's parameters emptied: the lent shards
+    are not among them (a re-forming at the same size, from lent tensors only)."""
+    for r in run_local(ps.reform_from_lent, 2, Spec(stage=3), str(tmp_path / "s"), 3):
+        _assert_restored(r, 3)
 
 
 def test_two_lost_neighbours_are_reported_and_change_nothing(tmp_path):

@@ -44,6 +44,17 @@ slice packed, 1.7 s this way, and each side's peak is 1.5 GiB lower (the packed 
 staging buffer; ``benchmarks/peer_restore.py``). Since data lands in the engine as it
 arrives, a transfer that fails part-way leaves the engine partly written: the caller
 falls back to a checkpoint, whose load rewrites every byte, as after any failure here.
+
+[Note: a grow lends its state]
+To grow, every existing rank offers its state at the step boundary and then drops its
+engine before building the new one (workers/rank.py). A packed copy of that state is
+written only to be read once and freed: on a 267 M GPT alone at stage 2 that is 3 GiB of
+fresh memory beside the engine it copies (the rank's peak) and a second or more of
+writing. ``take_copy(lend=True)`` (``Engine.snapshot_now(lend=True)``) instead returns a
+``LentCopy``: the engine's own host tensors, by reference, which stay alive and
+unwritten once the engine is closed and dropped, since nothing trains them any more. It
+is only for a caller that never trains that engine again; tensors on a GPU are copied
+to host memory, one by one, as a packed copy would.
 """
 
 from __future__ import annotations
@@ -128,6 +139,38 @@ class HeldCopy:
 
 
 @dataclass
+class LentCopy:
+    """One old rank's checkpoint items as its engine's own host tensors, by reference
+    (see [Note: a grow lends its state]): read as a ``HeldCopy`` is. ``segments`` carry
+    the offsets a packed copy would give them, which name each one's tensor here."""
+
+    rank: int
+    segments: list[dict[str, Any]]
+    tensors: list[torch.Tensor]
+    """Flat, one per segment, in the segments' order."""
+    rng: dict[str, Any] | None
+
+    def __post_init__(self) -> None:
+        self._by_offset = {
+            seg["offset"]: t for seg, t in zip(self.segments, self.tensors, strict=True)
+        }
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes referenced (none of them allocated for the copy, except from a GPU)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def read(self, seg: dict[str, Any], start: int, end: int, what: str) -> torch.Tensor:
+        tensor = self._by_offset[seg["offset"]]
+        if tensor.dtype != dtype_of(seg["dtype"]):
+            raise CheckpointError(f"{what}: lent {tensor.dtype}, asked for {seg['dtype']}")
+        return tensor[start:end]
+
+    def meta(self) -> dict[str, Any]:
+        return {"rank": self.rank, "segments": self.segments, "rng": self.rng}
+
+
+@dataclass
 class PeerSnapshot:
     """What a rank holds in host memory at one step: its own copy and (ring
     redundancy) its neighbour's. Plain tensors and dicts: valid after the engine is
@@ -142,7 +185,7 @@ class PeerSnapshot:
     """Stage 0: each copy holds the whole state (any one covers every old rank)."""
     header: dict[str, Any]
     """The manifest header (params, kinds, optimizer, counters): save.manifest_header."""
-    copies: dict[int, HeldCopy] = field(default_factory=dict)
+    copies: dict[int, HeldCopy | LentCopy] = field(default_factory=dict)
     """By old rank."""
     sent_bytes: int = 0
     """Bytes this rank sent to its neighbour for this copy (data and metadata)."""
@@ -163,6 +206,17 @@ class PeerSnapshot:
         }
 
 
+def _segments(rank: int, items: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[list, int]:
+    """The items' manifest segments, at their offsets in one aligned buffer, and its size."""
+    segments, offset = [], 0
+    for meta, data in items:
+        n = data.numel() * data.element_size()
+        dtype = str(data.dtype).removeprefix("torch.")
+        segments.append(meta | {"file": _label(rank), "offset": offset, "bytes": n, "dtype": dtype})
+        offset = _aligned(offset + n)
+    return segments, offset
+
+
 def pack(
     rank: int,
     items: list[tuple[dict[str, Any], torch.Tensor]],
@@ -171,17 +225,20 @@ def pack(
 ) -> HeldCopy:
     """Copy ``items`` (save.snapshot_items) into one aligned host buffer: ``into`` when
     it has the size (see [Note: reused copy buffers] in redundancy.py), else a new one."""
-    segments, offset = [], 0
-    for meta, data in items:
-        n = data.numel() * data.element_size()
-        dtype = str(data.dtype).removeprefix("torch.")
-        segments.append(meta | {"file": _label(rank), "offset": offset, "bytes": n, "dtype": dtype})
-        offset = _aligned(offset + n)
+    segments, total = _segments(rank, items)
     raws = [data.detach().reshape(-1).contiguous().view(torch.uint8) for _, data in items]
     buffer = _packed(
-        offset, [(seg["offset"], raw) for seg, raw in zip(segments, raws, strict=True)], into
+        total, [(seg["offset"], raw) for seg, raw in zip(segments, raws, strict=True)], into
     )
     return HeldCopy(rank, segments, buffer, rng)
+
+
+def lend(rank: int, items: list[tuple[dict[str, Any], torch.Tensor]], rng) -> LentCopy:
+    """``items`` by reference, flat (a GPU tensor copied to host memory). See [Note: a
+    grow lends its state]."""
+    segments, _ = _segments(rank, items)
+    tensors = [data.detach().to("cpu").reshape(-1) for _, data in items]
+    return LentCopy(rank, segments, tensors, rng)
 
 
 def _packed(
@@ -204,9 +261,13 @@ def _packed(
     return buffer
 
 
-def take_copy(state: ShardedState, into: torch.Tensor | None = None) -> PeerSnapshot:
+def take_copy(
+    state: ShardedState, into: torch.Tensor | None = None, lend_state: bool = False
+) -> PeerSnapshot:
     """This rank's own checkpoint items now, in host memory (no collective): in
-    ``into`` when it has the size. Stage 0: the whole state, as rank 0 would write it."""
+    ``into`` when it has the size; ``lend_state``: the state's own tensors, by reference
+    (see [Note: a grow lends its state]). Stage 0: the whole state, as rank 0 would
+    write it."""
     if state.pending_micro_steps:
         raise CheckpointError(
             f"snapshot: {state.pending_micro_steps} micro-batch(es) accumulated since the "
@@ -215,7 +276,12 @@ def take_copy(state: ShardedState, into: torch.Tensor | None = None) -> PeerSnap
     kinds, scalars = per_element_kinds(state)
     writer = dataclasses.replace(state, rank=0) if state.whole else state
     # copy=False: pack() is the copy, one host buffer, with no second staging copy.
-    own = pack(state.rank, snapshot_items(writer, kinds, copy=False), rng_state(), into)
+    items = snapshot_items(writer, kinds, copy=False)
+    own: HeldCopy | LentCopy = (
+        lend(state.rank, items, rng_state())
+        if lend_state
+        else pack(state.rank, items, rng_state(), into)
+    )
     header = manifest_header(state, kinds, scalars, None)
     step, world = state.counters.global_steps, state.world
     return PeerSnapshot(step, world, state.rank, state.whole, header, {state.rank: own})
