@@ -9,13 +9,18 @@ newcomer (rank 1) receiving half of every master and optimizer state. Modes:
 * ``packed``: every slice in one packed message per pair of ranks, received into a
   staging buffer and copied into place (``DIRECT_BYTES`` set past any slice);
 * ``direct``: slices of at least ``DIRECT_BYTES`` sent from the holder's copy and
-  received straight into the engine's tensors ([Note: slices straight into place]).
+  received straight into the engine's tensors ([Note: slices straight into place]);
+* ``lent``: as ``direct``, the holder lending its engine's own tensors instead of
+  taking a copy of them ([Note: a grow lends its state]), as a re-forming rank does.
 
 ``--ballast-gib``: each rank first fills that much memory, as the rest of a busy node
 would (the recovery benchmark's large join ran with 16 GiB of 24 in use). Each run is a
 fresh pair of processes; modes alternate over ``--repeats``. The table
 gives each rank's seconds in ``restore_from_peers`` and the memory it added at its peak
-(VmHWM, reset just before, less the resident memory then).
+(VmHWM, reset just before, less the resident memory then), and for the whole hand-over
+(the holder's snapshot, its old engine dropped, the new engine built, the restore) the
+holder's seconds in ``snapshot_now`` and each rank's peak above its resident memory
+when the hand-over began (the ballast not counted).
 
     python -m benchmarks.peer_restore --model large --repeats 3
 """
@@ -23,6 +28,7 @@ gives each rank's seconds in ``restore_from_peers`` and the memory it added at i
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -31,7 +37,7 @@ from pathlib import Path
 from benchmarks.output import result_path
 from benchmarks.recovery import MODELS
 
-MODES = ("packed", "direct")
+MODES = ("packed", "direct", "lent")
 
 
 def _status(field: str) -> int:
@@ -61,19 +67,27 @@ def _restore(model: str, mode: str, ballast_gib: float) -> dict[str, float]:
         return torch.optim.AdamW(params, lr=1e-4)
 
     solo = dist.new_group([0])
-    held = None
+    held, snapshot_s = None, 0.0
     if rank == 0:
         engine = zeroservice.initialize(GPT(cfg), {"stage": 2}, adamw, group=solo)
         x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
         engine.backward(engine(x, x))
         engine.step()
-        held = engine.snapshot_now()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on: the hand-over's
+    start = _status("VmRSS")
+    if rank == 0:
+        t0 = time.perf_counter()
+        held = engine.snapshot_now(lend=mode == "lent")
+        snapshot_s = time.perf_counter() - t0
         engine.close()
         del engine
+        gc.collect()
     with zeroservice.deferred_init():
         model_ = GPT(cfg)
     restored = zeroservice.initialize(model_, {"stage": 2}, adamw, init=zeroservice.RESTORED)
-    ballast = torch.ones(int(ballast_gib * 2**30), dtype=torch.uint8)  # noqa: F841 (held)
+    built_peak = _status("VmHWM")
+    ballast_bytes = int(ballast_gib * 2**30)
+    ballast = torch.ones(ballast_bytes, dtype=torch.uint8)  # noqa: F841 (held)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on: the restore's
     before = _status("VmRSS")
     dist.barrier()
@@ -81,9 +95,12 @@ def _restore(model: str, mode: str, ballast_gib: float) -> dict[str, float]:
     result = restored.restore_from_peers(held)
     seconds = time.perf_counter() - t0
     received = restored.comm_ledger().entries.get(("recv", "load"))
+    restore_peak = _status("VmHWM")
     restored.close()
     return {
         "seconds": seconds,
+        "snapshot_s": snapshot_s,
+        "handover_rss": max(built_peak, restore_peak - ballast_bytes) - start,
         "step": result.step,
         "added_rss": _status("VmHWM") - before,
         "messages": received.calls if received is not None else 0,
@@ -101,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="memory each rank fills before the restore, as the rest of a busy node would",
     )
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -109,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ballast-gib: must be >= 0, got {args.ballast_gib}")
     from zeroservice.launch import run_local
 
-    runs: dict[str, list[list[dict[str, float]]]] = {m: [] for m in MODES}
+    runs: dict[str, list[list[dict[str, float]]]] = {m: [] for m in args.modes}
     for _ in range(args.repeats):
-        for mode in MODES:
+        for mode in args.modes:
             pair = run_local(_restore, 2, args.model, mode, args.ballast_gib, timeout_s=1800)
             runs[mode].append(pair)
     print(
@@ -120,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'mode':8s}{'holder s':>10s}{'newcomer s':>12s}{'msgs':>6s}"
-        f"{'holder +MiB':>13s}{'newcomer +MiB':>15s}"
+        f"{'holder +MiB':>13s}{'newcomer +MiB':>15s}{'snapshot s':>12s}"
+        f"{'snapshot+restore s':>20s}{'hand-over holder +MiB':>23s}{'newcomer +MiB':>15s}"
     )
     summary = {}
     for mode, pairs in runs.items():
@@ -130,11 +149,18 @@ def main(argv: list[str] | None = None) -> int:
             "holder_rss": max(p[0]["added_rss"] for p in pairs),
             "newcomer_rss": max(p[1]["added_rss"] for p in pairs),
             "messages": pairs[0][1]["messages"],
+            "snapshot_s": statistics.median(p[0]["snapshot_s"] for p in pairs),
+            "handover_s": statistics.median(p[0]["snapshot_s"] + p[0]["seconds"] for p in pairs),
+            "handover_holder_rss": max(p[0]["handover_rss"] for p in pairs),
+            "handover_newcomer_rss": max(p[1]["handover_rss"] for p in pairs),
         }
         summary[mode] = row
         print(
             f"{mode:8s}{row['holder_s']:10.2f}{row['newcomer_s']:12.2f}{row['messages']:6d}"
             f"{row['holder_rss'] / 2**20:13.0f}{row['newcomer_rss'] / 2**20:15.0f}"
+            f"{row['snapshot_s']:12.2f}{row['handover_s']:20.2f}"
+            f"{row['handover_holder_rss'] / 2**20:23.0f}"
+            f"{row['handover_newcomer_rss'] / 2**20:15.0f}"
         )
     path = result_path(args.out, f"peer-restore-{args.model}")
     record = {"model": args.model, "ballast_gib": args.ballast_gib, "summary": summary}

@@ -225,6 +225,25 @@ def _run_mode(
         steps = [_scrape_step(r["metrics"]) for r in members]
         return max((s for s in steps if s is not None), default=-1)
 
+    def wait_full(timeout: float = 300.0) -> list[dict[str, Any]]:
+        """Poll until the group has all its ranks again (grown back or restarted); a
+        job that never gets there ends the run, naming its last events."""
+        t0 = time.monotonic()
+        members = rows()
+        while len(members) < 2 * mp:
+            if time.monotonic() - t0 > timeout:
+                recent = [
+                    f"{e['kind']}/{e['reason']}: {e['message']}"
+                    for e in ray.get(handle.events.remote())[-6:]
+                ]
+                raise TimeoutError(
+                    f"{mode}: {len(members)} of {2 * mp} ranks after {timeout:.0f} s; "
+                    "last events:\n" + "\n".join(recent)
+                )
+            time.sleep(0.05)
+            members = rows()
+        return members
+
     def wait_group(dp: int, without: int | None, timeout: float = 300.0):
         """Poll until a group of ``dp`` replicas without pid ``without`` completed a
         step past its start; returns (seconds waited, its rows)."""
@@ -248,10 +267,7 @@ def _run_mode(
     faults = []
     s_begin, t_begin = step_now(members), time.monotonic()
     for _ in range(kills):
-        members = rows()
-        while len(members) < 2 * mp:  # growing back (live) or restarting
-            time.sleep(0.05)
-            members = rows()
+        members = wait_full()  # growing back (live) or restarting
         victim = rng.choice(members)
         before = step_now(members)
         os.kill(victim["pid"], signal.SIGKILL)
@@ -293,10 +309,7 @@ def _run_mode(
     samples = sum(dp_of.get(s, 0) for s in range(s_begin + 1, s_end + 1))
     goodput = samples / (t_end - t_begin) / (2 * rate) if rate > 0 else 0.0
 
-    members = rows()
-    while len(members) < 2 * mp:
-        time.sleep(0.1)
-        members = rows()
+    members = wait_full()
     sim.remove_node(sim.nodes[1])
     wait_group(1, None)
     time.sleep(3.0)
