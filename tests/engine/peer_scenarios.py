@@ -125,12 +125,21 @@ def _rejoin(survivors: list[int], old_rank: int, store: str) -> None:
 
 
 def _compare(
-    spec: Spec, k: int, held, root: str, step: int, more: int, variant: str = "plain"
+    spec: Spec,
+    k: int,
+    held,
+    root: str,
+    step: int,
+    more: int,
+    variant: str = "plain",
+    original: dict | None = None,
 ) -> dict:
     """Restore from ``held`` on a new engine; load ``step`` from disk on another; both
     train ``more`` steps. Returns the differences and both runs' losses. The RNG is
     compared except at stage 0, where no copy of a lost rank's generators exists, and
-    on a newcomer."""
+    on a newcomer. ``original``: the capture of the engine that held the state, at the
+    same world size: the restored engine must equal it too, padding included (both
+    restores could agree on something else)."""
     restored = _engine(spec, variant, restored=True, **host(k))
     with torch.no_grad():  # frozen weights too must come from the peers
         for unit in restored.units:
@@ -164,6 +173,7 @@ def _compare(
         # A newcomer (holding nothing) has no old rank's generators to take: its own
         # stay as its construction left them, which differs between the two builds.
         "diffs": differences(mine, ref, rng=spec.stage != 0 and held is not None),
+        "vs_original": differences(mine, original, rng=False) if original is not None else [],
         "ticks": mine["params"]["ticks"].tolist() if "ticks" in mine["params"] else None,
         "frozen_units": len(mine["frozen"]),
         "losses": losses,
@@ -385,11 +395,12 @@ def reform_from_lent(spec: Spec, root: str, steps: int) -> dict:
     engine = engine_for(spec)
     _train(engine, spec, range(steps))
     engine.save_checkpoint(root)
+    original = captured(engine)
     held = engine.snapshot_now(lend=True)
     engine.close()
     del engine
     gc.collect()
-    return _compare(spec, 1, held, root, steps, 2)
+    return _compare(spec, 1, held, root, steps, 2, original=original)
 
 
 def snapshot_mid_accumulation() -> list[str]:
