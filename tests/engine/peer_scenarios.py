@@ -138,8 +138,8 @@ def _compare(
     train ``more`` steps. Returns the differences and both runs' losses. The RNG is
     compared except at stage 0, where no copy of a lost rank's generators exists, and
     on a newcomer. ``original``: the capture of the engine that held the state, at the
-    same world size: the restored engine must equal it too, padding included (both
-    restores could agree on something else)."""
+    same world size: the restored engine must equal it too, every element (the restored
+    and the loaded engine could agree on something else)."""
     restored = _engine(spec, variant, restored=True, **host(k))
     with torch.no_grad():  # frozen weights too must come from the peers
         for unit in restored.units:

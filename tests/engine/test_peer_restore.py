@@ -207,7 +207,7 @@ def test_grow_from_lent_state_after_the_old_engine_is_dropped(tmp_path, stage):
 def test_lent_state_outlives_a_closed_stage_3_engine(tmp_path):
     """Stage 3 closes its engine with the module's parameters emptied: the lent shards
     are not among them (a re-forming at the same size, from lent tensors only). The
-    restored engine equals the one that lent, optimizer states' padding included."""
+    restored engine equals the one that lent, every element of every state."""
     for r in run_local(ps.reform_from_lent, 2, Spec(stage=3), str(tmp_path / "s"), 3):
         _assert_restored(r, 3)
         assert r["vs_original"] == []

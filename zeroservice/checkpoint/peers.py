@@ -50,7 +50,7 @@ To grow, every existing rank offers its state at the step boundary and then drop
 engine before building the new one (workers/rank.py). A packed copy of that state is
 written only to be read once and freed: on a 267 M GPT alone at stage 2 that is 3 GiB of
 fresh memory beside the engine it copies (the rank's peak) and a second or more of
-writing. ``take_copy(lend=True)`` (``Engine.snapshot_now(lend=True)``) instead returns a
+writing. ``take_copy(lend_state=True)`` (``Engine.snapshot_now(lend=True)``) instead returns a
 ``LentCopy``: the engine's own host tensors, by reference, which stay alive and
 unwritten once the engine is closed and dropped, since nothing trains them any more. It
 is only for a caller that never trains that engine again; tensors on a GPU are copied
