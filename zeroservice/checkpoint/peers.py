@@ -206,7 +206,9 @@ class PeerSnapshot:
         }
 
 
-def _segments(rank: int, items: list[tuple[dict[str, Any], torch.Tensor]]) -> tuple[list, int]:
+def _segments(
+    rank: int, items: list[tuple[dict[str, Any], torch.Tensor]]
+) -> tuple[list[dict[str, Any]], int]:
     """The items' manifest segments, at their offsets in one aligned buffer, and its size."""
     segments, offset = [], 0
     for meta, data in items:
