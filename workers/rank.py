@@ -23,6 +23,7 @@ import zeroservice
 from zeroservice.checkpoint.storage import has_entries
 from zeroservice.comm import CommLedger, bus_factor
 from zeroservice.data import micro_batch
+from zeroservice.host_memory import return_free_heap
 from zeroservice.memory import process_status_kib
 from zeroservice.tensor_parallel import mp_groups_of
 
@@ -225,7 +226,7 @@ class RankWorker:
             assert self.engine is not None
             fallback = ""
             try:
-                result = self.engine.restore_from_peers(held)
+                result = self.engine.restore_from_peers(held, release=True)
                 self.step = result.step
                 self.tokens = self.step * self._tokens_per_step()
                 loaded: str | None = "host memory of the peers"  # the event adds the step
@@ -233,6 +234,8 @@ class RankWorker:
                 fallback = str(exc)
                 self.step, self.tokens = 0, 0
                 loaded = self._load_newest()
+            del held
+            return_free_heap()  # the copies spent
             laps.lap("restore")
             kept = [r for r in self._unreported if r["step"] <= self.step]
             self._unreported = []
@@ -272,13 +275,16 @@ class RankWorker:
         collector frees, which may not run for many steps while the next engine is
         built beside it: on the 267 M GPT a surviving rank's resident memory grew by
         about 1 GiB per live resize until the node's memory monitor killed the ranks.
-        The collection is short because start-up's objects are frozen (``__init__``)."""
+        The collection is short because start-up's objects are frozen (``__init__``).
+        Then glibc's heaps hand their free pages back (``return_free_heap``): what the
+        engine had there would otherwise stay resident beside the next engine."""
         engine, self.engine = self.engine, None
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.close()
         del engine
         gc.collect()
+        return_free_heap()
 
     def _join(self, master: str, port: int, world: int, restoring: bool, laps: Laps) -> None:
         """Join the process group as ``self.rank`` and build the model and engine

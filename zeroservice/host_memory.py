@@ -111,3 +111,16 @@ class HostTrim:
             libc.trim(0)
             self.calls += 1
         self.seconds += time.perf_counter() - t0
+
+
+def return_free_heap() -> int | None:
+    """``malloc_trim(0)`` once, now: for a caller that has just dropped a large share
+    of its memory at once (a closed engine, spent host copies), where glibc's heaps
+    would otherwise keep it. Returns the heaps' free bytes before the trim, or None
+    where the C library cannot trim (or cannot say)."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    free = libc.free_bytes()
+    libc.trim(0)
+    return free

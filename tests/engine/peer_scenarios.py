@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -133,14 +134,27 @@ def _compare(
     more: int,
     variant: str = "plain",
     original: dict | None = None,
+    release: bool = False,
 ) -> dict:
     """Restore from ``held`` on a new engine; load ``step`` from disk on another; both
     train ``more`` steps. Returns the differences and both runs' losses. The RNG is
     compared except at stage 0, where no copy of a lost rank's generators exists, and
     on a newcomer. ``original``: the capture of the engine that held the state, at the
     same world size: the restored engine must equal it too, every element (the restored
-    and the loaded engine could agree on something else)."""
+    and the loaded engine could agree on something else). ``release``: the restore
+    lets go of ``held``; "alive_at_refresh" counts, each time the new engine takes a
+    host copy (its first: inside the restore), the held tensors still alive."""
     restored = _engine(spec, variant, restored=True, **host(k))
+    spent = _tensor_refs(held) if release else []
+    alive_at_refresh: list[int] = []
+    if release:
+        refresh = restored.host_copies.refresh
+
+        def watched(state):
+            alive_at_refresh.append(sum(r() is not None for r in spent))
+            refresh(state)
+
+        restored.host_copies.refresh = watched
     with torch.no_grad():  # frozen weights too must come from the peers
         for unit in restored.units:
             if unit.frozen:
@@ -152,7 +166,7 @@ def _compare(
             call()
         except RuntimeError as exc:
             refused.append("RESTORED" in str(exc))
-    result = restored.restore_from_peers(held)
+    result = restored.restore_from_peers(held, release=release)
     load = restored.comm_ledger().entries.get(("recv", "load"))
     mine = captured(restored)
     loaded = _engine(spec, variant, **host(k))
@@ -179,7 +193,29 @@ def _compare(
         "losses": losses,
         "ref_losses": ref_losses,
         "load_received": (load.calls, load.payload_bytes) if load is not None else (0, 0),
+        "spent": len(spent),
+        "alive_at_refresh": alive_at_refresh,
+        "covers_after": sorted(_copies_of(held)),
     }
+
+
+def _snapshots(held) -> list:
+    return [held] if isinstance(held, peers.PeerSnapshot) else list(held or [])
+
+
+def _copies_of(held) -> list[int]:
+    """The old ranks ``held`` still covers."""
+    return [r for snapshot in _snapshots(held) for r in snapshot.copies]
+
+
+def _tensor_refs(held) -> list[weakref.ref]:
+    """Weak references to every tensor ``held`` refers to (and the bases of views)."""
+    tensors = []
+    for snapshot in _snapshots(held):
+        for copy in snapshot.copies.values():
+            own = [copy.data] if isinstance(copy, peers.HeldCopy) else list(copy.tensors)
+            tensors += own + [t._base for t in own if t._base is not None]
+    return [weakref.ref(t) for t in tensors]
 
 
 def shrink(
@@ -192,10 +228,11 @@ def shrink(
     steps: int,
     variant: str = "plain",
     direct_bytes: int | None = None,
+    release: bool = False,
 ) -> dict:
     """Train ``steps`` with host copies (and disk saves at ``save_at``); the ranks in
     ``leave`` die; the rest restore from peers at the new world size. ``direct_bytes``:
-    as in ``grow``."""
+    as in ``grow``; ``release``: as in ``_compare`` (the old engine dropped first)."""
     if direct_bytes is not None:
         peers.DIRECT_BYTES = direct_bytes
     old_rank, world = dist.get_rank(), dist.get_world_size()
@@ -234,6 +271,9 @@ def shrink(
         )
     held = engine.peer_snapshot()
     engine.close()
+    if release:
+        del engine, snap
+        gc.collect()
     if old_rank in leave:
         dist.destroy_process_group()
         return {"left": True, "ledger": ledger}
@@ -242,7 +282,7 @@ def shrink(
     out = {"left": False, "ledger": ledger}
     expect = held.step if held is not None else 0
     try:
-        return out | _compare(spec, k, held, root, expect, 2, variant)
+        return out | _compare(spec, k, held, root, expect, 2, variant, release=release)
     except PeersIncomplete as exc:
         return out | {"incomplete": str(exc)}
 
@@ -388,10 +428,10 @@ def grow(
     return {"ledger": ledger} | _compare(spec, 1, held, root, steps, 2)
 
 
-def reform_from_lent(spec: Spec, root: str, steps: int) -> dict:
+def reform_from_lent(spec: Spec, root: str, steps: int, release: bool = False) -> dict:
     """Every rank lends its engine's state, closes and drops the engine, and a new
     engine of the same group restores from the lent tensors (every stage: stage 3's
-    closed engine keeps its shards)."""
+    closed engine keeps its shards). ``release``: as in ``_compare``."""
     engine = engine_for(spec)
     _train(engine, spec, range(steps))
     engine.save_checkpoint(root)
@@ -400,7 +440,7 @@ def reform_from_lent(spec: Spec, root: str, steps: int) -> dict:
     engine.close()
     del engine
     gc.collect()
-    return _compare(spec, 1, held, root, steps, 2, original=original)
+    return _compare(spec, 1, held, root, steps, 2, original=original, release=release)
 
 
 def snapshot_mid_accumulation() -> list[str]:

@@ -213,6 +213,40 @@ def test_lent_state_outlives_a_closed_stage_3_engine(tmp_path):
         assert r["vs_original"] == []
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_restore_lets_go_of_lent_state_before_its_first_copy(tmp_path, stage):
+    """With ``release``, the lent tensors are freed before the new engine takes its
+    first host copy (a grow's peak: the old state and the new copy never side by
+    side), and the restore is still exact."""
+    for r in run_local(ps.reform_from_lent, 2, Spec(stage=stage), str(tmp_path / "s"), 3, True):
+        _assert_restored(r, 3)
+        assert r["vs_original"] == []
+        assert r["spent"] > 0 and r["alive_at_refresh"][0] == 0, r["alive_at_refresh"]
+        assert r["covers_after"] == []
+
+
+def test_a_restore_lets_go_of_held_copies_before_its_first_copy(tmp_path):
+    """The same for a shrink's held copies (3 -> 2: the survivors take copies again)."""
+    store = str(tmp_path / "store")
+    results = run_local(
+        ps.shrink,
+        3,
+        Spec(stage=2),
+        1,
+        [1],
+        str(tmp_path / "ckpt"),
+        store,
+        [3],
+        3,
+        "plain",
+        None,
+        True,
+    )
+    for r in (results[0], results[2]):
+        _assert_restored(r, 3)
+        assert r["spent"] > 0 and r["alive_at_refresh"][0] == 0, r["alive_at_refresh"]
+
+
 def test_two_lost_neighbours_are_reported_and_change_nothing(tmp_path):
     results = run_local(ps.lost_neighbours, 4, Spec(stage=2), [1, 2], str(tmp_path / "s"), 2)
     assert results[1]["left"] and results[2]["left"]

@@ -195,6 +195,11 @@ class PeerSnapshot:
         """Host bytes of the copies' buffers."""
         return sum(c.nbytes for c in self.copies.values())
 
+    def release(self) -> None:
+        """Let go of the copies (a restore has used them): their memory is freed once
+        nothing else refers to it, and from here on this snapshot covers no rank."""
+        self.copies = {}
+
     def catalog(self) -> dict[str, Any]:
         return {
             "step": self.step,
