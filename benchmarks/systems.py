@@ -29,6 +29,16 @@ MODELS = {
     "large": GPTConfig(
         vocab_size=32000, seq_len=128, n_layer=8, n_head=12, dim=768, tie_weights=False
     ),
+    # The same, its head and loss in 8 vocabulary tiles (models/tiled_head.py)
+    "large-tiled": GPTConfig(
+        vocab_size=32000,
+        seq_len=128,
+        n_layer=8,
+        n_head=12,
+        dim=768,
+        tie_weights=False,
+        vocab_tiles=8,
+    ),
 }
 MICRO_BATCH = 4
 LR = 1e-4

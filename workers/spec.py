@@ -73,11 +73,18 @@ class GPTModelSpec(_Strict):
     """Share the token embedding with the output head."""
     bias: bool = True
     """Biases in the linear layers."""
+    vocab_tiles: int = Field(1, ge=1, le=1_048_576)
+    """The output head and the loss in this many vocabulary tiles, so that the whole
+    logits never exist (1: at once); not with model parallelism."""
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> GPTModelSpec:
         if self.dim % self.n_head:
             raise ValueError(f"model.dim: {self.dim} is not divisible by n_head {self.n_head}")
+        if self.vocab_tiles > self.vocab_size:
+            raise ValueError(
+                f"model.vocab_tiles: {self.vocab_tiles} exceeds vocab_size {self.vocab_size}"
+            )
         return self
 
     def gpt_config(self) -> GPTConfig:
@@ -345,6 +352,11 @@ class JobSpec(_Strict):
                 raise ValueError(
                     f"model.vocab_size: {self.model.vocab_size} is not divisible by "
                     f"resources.mp {mp}"
+                )
+            if self.model.vocab_tiles > 1:
+                raise ValueError(
+                    f"model.vocab_tiles: {self.model.vocab_tiles} with resources.mp {mp}; "
+                    "model parallelism splits the vocabulary already (set it to 1)"
                 )
         if self.data.kind == "text" and self.model.vocab_size < 256:
             raise ValueError("model.vocab_size: text data is bytes, needs vocab_size >= 256")

@@ -15,7 +15,12 @@ largest:
 * ``backward``: at its first node, the log-softmax's backward holds its output, its
   incoming gradient and the gradient it makes (3 fp32 logits) beside all saved
   tensors; ``head backward`` (stage 3, an untied head): the head gathered again, the
-  logits' gradient and the head's weight gradient; ``recompute`` (checkpointed): the
+  logits' gradient and the head's weight gradient. With ``vocab_tiles`` (models/
+  tiled_head.py) one tile's logits stand for the whole (the logits, their fp32 copy
+  and their exponentials in forward), and the loss's backward is the head's too: the
+  head's whole weight gradient, the input's gradient in fp32, and one tile's logits
+  again, their fp32 softmax gradient, its 16-bit cast and its product with the tile
+  of the head; ``recompute`` (checkpointed): the
   last block's recomputation and the first node of its backward beside the arena;
   ``blocks`` (stage 3 without checkpointing): the saved tensors beside two unit-sized
   gradient staging buffers borrowed from the gather cache; ``pieces`` (stage 3, an
@@ -359,7 +364,11 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     # Checkpointed, the blocks' tensors are gone after each block; the arena holds inputs.
     saved = 0 if c.activation_checkpointing else cfg.n_layer * block
     native = native_bf16_matmul() if c.native_bf16 is None else c.native_bf16
-    kernels = BF16_MATMUL_SHAPES * BF16_KERNEL_BYTES if native and c.precision == "bf16" else 0
+    tiles = cfg.vocab_tiles if t == 1 else 1
+    # Vocabulary tiles multiply in the head's three shapes per tile width (the last
+    # tile's, when shorter, three more).
+    shapes = BF16_MATMUL_SHAPES + (3 if tiles > 1 and v % -(-v // tiles) else 0)
+    kernels = shapes * BF16_KERNEL_BYTES if native and c.precision == "bf16" else 0
     # The ring's scratch is held only while a backward's reductions run (ring.py); the
     # shared segments of "shm" stay mapped.
     ring_held = ring if c.collectives == "shm" else 0
@@ -369,7 +378,7 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     # reduction (reduce.py, [Note: gradient lifetime]); one micro-batch per step.
     before_reduction = resident - (grads if c.stage >= 2 else 0)
     at_loss = before_reduction - gathered + settled
-    loss_fwd, loss_bwd = _loss_bytes(tokens * v, p, t)
+    loss_fwd, loss_bwd = _loss_bytes(tokens, v, h, p, t, tiles)
     forward = {
         "resident": at_loss,
         "activations": saved + tail,
@@ -393,14 +402,14 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
             "activations": forward["activations"],
             "arena": arena,
             "gathered head": whole,
-            "logits": tokens * v * p,
+            "logits": loss_fwd if tiles > 1 else tokens * v * p,
         }
         phases["head backward"] = {
             "resident": at_loss,
             "activations": forward["activations"],
             "arena": arena,
             "gathered head": whole,
-            "gradients": tokens * v * p + head * p,
+            "gradients": loss_bwd if tiles > 1 else tokens * v * p + head * p,
         }
     # Stage 3 stages gradients in unit-sized buffers borrowed from the gather cache, at
     # most two in flight (reduce.py): beside the blocks' backward, not at its first node.
@@ -461,10 +470,22 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     )
 
 
-def _loss_bytes(logits: int, p: int, t: int) -> tuple[int, int]:
+def _loss_bytes(tokens: int, v: int, h: int, p: int, t: int, tiles: int) -> tuple[int, int]:
     """Bytes the loss holds at the forward's peak and at the backward's first node, for
-    ``logits`` elements (this rank's B x V/t) in a dtype of ``p`` bytes."""
+    ``tokens`` x ``v`` logits (this rank's B x V/t) in a dtype of ``p`` bytes (the head
+    h x v), computed in ``tiles`` vocabulary tiles."""
+    logits = tokens * v
     cast = 4 if p != 4 else 0  # .float() copies 16-bit logits; on fp32 it is a no-op
+    if tiles > 1:
+        # models/tiled_head.py: a tile's logits, their fp32 copy and exp(logits - max);
+        # the running max, sum, target logit and the log-sum-exp (fp32 per token). Its
+        # backward: the head's weight gradient (whole), the input's gradient in fp32, a
+        # tile's logits, their fp32 softmax gradient (in place), its cast back and its
+        # product with the tile of the head (tokens x h).
+        tile = tokens * -(-v // tiles)
+        running = 4 * tokens * 4
+        back = v * h * p + tokens * h * 4 + tile * (p + cast + (p if p != 4 else 0))
+        return tile * (p + cast + 4) + running, back + tokens * h * p + running
     if t == 1:
         # F.cross_entropy(logits.float()): logits, their fp32 copy, the log-softmax; its
         # backward: the log-softmax, nll's gradient and its own gradient, all fp32.

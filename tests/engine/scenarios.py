@@ -45,6 +45,7 @@ class Spec:
     prefetch: int = 2**25
     persistence: int = 0
     grouping: str = "blocks"
+    vocab_tiles: int = 1
 
 
 SGD_LR = 0.05
@@ -53,7 +54,7 @@ SGD_LR = 0.05
 
 def _model(spec: Spec) -> GPT:
     torch.manual_seed(1234)
-    return GPT(GPTConfig(**TINY, tie_weights=spec.tie))
+    return GPT(GPTConfig(**TINY, tie_weights=spec.tie, vocab_tiles=spec.vocab_tiles))
 
 
 def _adamw(spec: Spec):

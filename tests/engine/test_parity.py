@@ -23,6 +23,8 @@ CASES = {
     "native-collectives": {"collectives": "native"},
     "shm-collectives": {"collectives": "shm"},
     "unfused-adamw": {"fuse": False},
+    "vocab-tiles": {"vocab_tiles": 3},
+    "vocab-tiles-untied": {"vocab_tiles": 3, "tie": False},
 }
 # Stage 3 only: prefetch squeezed below one block, small units kept gathered, groups
 # formed by size (the tied embedding is then read outside its own group).

@@ -3,6 +3,7 @@ engine's ledger, and its total within 10% of the measured peak (VmHWM above star
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -164,3 +165,43 @@ def test_bf16_kernels_are_counted_on_a_native_bf16_cpu_only():
         assert all(on.phases[k] - off.phases[k] == extra for k in on.phases)
     here = predict_peak(PeakConfig(cfg, stage=1, dp=2, precision="bf16"))
     assert bool(here.kernels) == native_bf16_matmul()
+
+
+# A vocabulary large against everything else (the loss's logits: 512 tokens x 16384),
+# its head and loss in 8 tiles (models/tiled_head.py): the loss's terms are one tile's.
+TILED = GPTConfig(
+    vocab_size=16384, seq_len=128, n_layer=2, n_head=4, dim=128, tie_weights=False, vocab_tiles=8
+)
+TILED_STAGES = (0, 3)
+
+
+def _tiled_trials(stages) -> list[dict]:
+    from benchmarks.planner_oracle import measure
+
+    return [measure(TILED, 4, 1, {"stage": s, "precision": "fp32"}) for s in stages]
+
+
+def test_tiled_head_peak_within_ten_percent_of_measured():
+    """fp32 at stages 0 and 3 (the loss's backward, and stage 3's moments around the
+    gathered head): the prediction with tiles against VmHWM, the oracle's protocol."""
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MKL_DISABLE_FAST_MM": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        per_rank = run_local(_tiled_trials, 2, TILED_STAGES, timeout_s=300)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    whole = dataclasses.replace(TILED, vocab_tiles=1)
+    for i, stage in enumerate(TILED_STAGES):
+        c = PeakConfig(TILED, stage=stage, dp=2, micro_batch=4)
+        predicted = predict_peak(c)
+        untiled = predict_peak(dataclasses.replace(c, gpt=whole))
+        # One tile's logits (and their fp32 softmax gradient) instead of the whole's.
+        assert predicted.breakdown["forward"]["loss"] < untiled.breakdown["forward"]["loss"] / 7
+        for rank in per_rank:
+            error = predicted.peak / rank[i]["peak_bytes"] - 1
+            assert abs(error) <= 0.10, (stage, predicted.peak, rank[i]["peak_bytes"], error)

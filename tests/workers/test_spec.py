@@ -43,6 +43,12 @@ def _error(body) -> str:
             "model parallelism needs the reference GPT",
         ),
         ({"model": {"dim": 30, "n_head": 4}}, "model.dim: 30 is not divisible by n_head 4"),
+        ({"model": {"vocab_size": 64, "vocab_tiles": 65}}, "vocab_tiles: 65 exceeds vocab_size"),
+        ({"model": {"vocab_tiles": 0}}, "vocab_tiles"),
+        (
+            {"resources": {"mp": 2}, "model": {"n_head": 4, "vocab_tiles": 4}},
+            "splits the vocabulary already",
+        ),
         (
             {"model": {"kind": "factory", "factory": "not a path", "vocab_size": 8}},
             "package.module:function",

@@ -18,6 +18,7 @@ from ..tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from .tiled_head import TiledHead
 
 
 @dataclass
@@ -32,6 +33,10 @@ class GPTConfig:
     tie_weights: bool = True
     """Share the token embedding with the output head (GPT-2 does)."""
     bias: bool = True
+    vocab_tiles: int = 1
+    """The output head and the loss computed in this many vocabulary tiles, so that the
+    whole logits never exist (see [Note: vocabulary tiles] in tiled_head.py); 1: at
+    once. Without model parallelism only (which splits the vocabulary already)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "dim", "mlp_ratio"):
@@ -41,6 +46,10 @@ class GPTConfig:
             raise ValueError(f"dim: {self.dim} is not divisible by n_head {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if not 1 <= self.vocab_tiles <= self.vocab_size:
+            raise ValueError(
+                f"vocab_tiles: must be in [1, vocab_size {self.vocab_size}], got {self.vocab_tiles}"
+            )
 
     def num_params(self) -> int:
         """Trainable parameters, counting a tied embedding once."""
@@ -137,6 +146,11 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.mp = tp = _tp(mp)
+        if tp is not None and cfg.vocab_tiles > 1:
+            raise ValueError(
+                f"vocab_tiles: {cfg.vocab_tiles} with model parallelism; the vocabulary is "
+                "split over the model-parallel ranks already (set vocab_tiles to 1)"
+            )
         if tp is None:
             self.wte: nn.Module = nn.Embedding(cfg.vocab_size, cfg.dim)
         else:
@@ -144,10 +158,12 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg, mp) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.dim)
-        if tp is None:
-            self.head: nn.Module = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if tp is not None:
+            self.head: nn.Module = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, bias=False)
+        elif cfg.vocab_tiles > 1:
+            self.head = TiledHead(cfg.dim, cfg.vocab_size, cfg.vocab_tiles)
         else:
-            self.head = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, bias=False)
+            self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight
         init = self.initializer(cfg)
@@ -172,6 +188,8 @@ class GPT(nn.Module):
                 m.init_from_full(draw)
             elif isinstance(m, VocabParallelEmbedding):
                 m.init_from_full(partial(nn.init.normal_, std=0.02))
+            elif isinstance(m, TiledHead):
+                nn.init.normal_(m.weight, std=0.02)
             elif isinstance(m, nn.Linear):
                 std = scaled if name.endswith(("attn.proj", "mlp.proj")) else 0.02
                 nn.init.normal_(m.weight, std=std)
@@ -190,6 +208,8 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
+        if targets is not None and isinstance(self.head, TiledHead):
+            return self.head(self.ln_f(x), targets)
         logits = self.head(self.ln_f(x))
         if self.mp is not None:
             return self._parallel_output(logits, targets)
