@@ -379,7 +379,8 @@ def activation_bytes(
     * with checkpointing: each layer keeps its input, L * 2*s*b*h bytes (divided by t
       with ``partition``, on the host with ``cpu_offload``), plus one layer's full
       working set s*b*h * (10 + 24/t + 5*a*s/(h*t)) while it is recomputed;
-    * both: the logits, s*b*V/t * 4 bytes (the loss is taken in fp32), when V is known.
+    * both: the logits, s*b*V/t * 4 bytes (the loss is taken in fp32), when V is known;
+      for a GPT with ``vocab_tiles``, one tile's (V / tiles).
 
     Embeddings, the final norm and dropout masks beyond the formula's are left out.
     No ``micro_batch``: (0, 0).
@@ -402,7 +403,8 @@ def activation_bytes(
     scale = PARAM_BYTES[precision] // 2
     sbh = s * b * h
     layer = (10 * sbh + 24 * sbh // t + 5 * a * s * s * b // t) * scale
-    logits = s * b * -(-spec.vocab // t) * 4 if spec.vocab else 0
+    tiles = spec.gpt.vocab_tiles if spec.gpt is not None and t == 1 else 1
+    logits = s * b * -(-spec.vocab // (t * tiles)) * 4 if spec.vocab else 0
     if not checkpointing:
         return spec.layers * layer + logits, 0
     kept = spec.layers * 2 * sbh * scale

@@ -46,6 +46,7 @@ _FLAGS = {
     "heads": "--gpt-heads",
     "vocab": "--vocab",
     "vocab_size": "--vocab",
+    "vocab_tiles": "--vocab-tiles",
     "n_layer": "--gpt-layers",
     "n_head": "--gpt-heads",
     "ranks": "--ranks",
@@ -97,6 +98,11 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     model.add_argument("--gpt-heads", type=int, help="attention heads")
     model.add_argument("--vocab", type=int, help="vocabulary size (GPT default 8192)")
     model.add_argument("--seq", type=int, help="sequence length (GPT default 128)")
+    model.add_argument(
+        "--vocab-tiles",
+        type=int,
+        help="the GPT's head and loss in this many vocabulary tiles (default 1: at once)",
+    )
     run = p.add_argument_group("configuration")
     run.add_argument("--dp", type=int, help="data-parallel ranks N_d")
     run.add_argument("--mp", type=int, default=1, help="model-parallel ranks N_m (default 1)")
@@ -198,6 +204,8 @@ def _model(args: argparse.Namespace) -> planner.ModelSpec:
         missing = ", ".join(f for f in shape if f not in given)
         raise _UsageError(f"{missing}: required with {', '.join(given)}")
     if args.params is not None:
+        if args.vocab_tiles is not None:
+            raise _UsageError("--vocab-tiles: describes the reference GPT, not --params")
         return planner.ModelSpec(
             args.params, args.gpt_layers, args.gpt_dim, args.gpt_heads, args.seq, args.vocab
         )
@@ -211,6 +219,8 @@ def _model(args: argparse.Namespace) -> planner.ModelSpec:
         fields["vocab_size"] = args.vocab
     if args.seq is not None:
         fields["seq_len"] = args.seq
+    if args.vocab_tiles is not None:
+        fields["vocab_tiles"] = args.vocab_tiles
     try:
         return planner.describe(GPTConfig(**fields))
     except ValueError as exc:

@@ -389,6 +389,18 @@ def test_cli_prints_the_table(capsys):
     assert plan["psi_local"] == 68_928 and plan["mp"] == 2
 
 
+def test_cli_vocab_tiles_count_one_tile_of_logits(capsys):
+    """The activation formula's logits (s*b*V * 4 bytes) become one tile's: 8 tiles of
+    a 512-word vocabulary, 2 x 32 tokens, remove 7/8 of 64 x 512 x 4 bytes."""
+    args = ["plan", "--gpt-layers", "2", "--gpt-dim", "64", "--gpt-heads", "4", "--vocab", "512"]
+    args += ["--seq", "32", "--dp", "2", "--stage", "1", "--micro-batch", "2", "--json"]
+    acts = []
+    for tiles in ("1", "8"):
+        assert main([*args, "--vocab-tiles", tiles]) == 0
+        acts.append(json.loads(capsys.readouterr().out)["activations"])
+    assert acts[0] - acts[1] == 64 * 512 * 4 * 7 // 8
+
+
 def test_cli_paper(capsys):
     assert main(["plan", "--paper"]) == 0
     out = capsys.readouterr().out
@@ -421,6 +433,11 @@ def test_cli_recommend(capsys):
         (["--params", "1e9", "--dp", "4", "--stage", "3", "--hierarchical-partition"], "--hier"),
         (["--params", "1e9", "--dp", "4", "--stage", "3", "--ranks-per-node", "3"], "--ranks-per"),
         (["--params", "1e9", "--dp", "2", "--stage", "1", "--quantized-gradients", "int2"], "--q"),
+        (
+            ["--gpt-layers", "2", "--gpt-dim", "64", "--gpt-heads", "4", "--vocab-tiles", "0"],
+            "--voc",
+        ),
+        (["--params", "1e9", "--dp", "2", "--stage", "1", "--vocab-tiles", "4"], "--vocab-tiles"),
     ],
 )
 def test_cli_bad_input_exits_2_naming_the_flag(argv, flag, capsys):
