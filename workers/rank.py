@@ -233,6 +233,8 @@ class RankWorker:
             except PeersIncomplete as exc:  # every rank raises it alike
                 fallback = str(exc)
                 self.step, self.tokens = 0, 0
+                held = None  # of no use now: not beside the checkpoint's load
+                return_free_heap()
                 loaded = self._load_newest()
             del held
             return_free_heap()  # the copies spent
