@@ -82,23 +82,27 @@ MEASURED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def measured():
-    # The oracle's protocol (docs/planner.md): glibc returns freed blocks, and MKL keeps
-    # no matrix-product buffers between products (on some CPUs, several MiB that the
-    # prediction does not count).
+def _under_oracle_protocol(fn, args) -> list:
+    """``run_local(fn, 2, args)`` under the oracle's protocol (docs/planner.md): glibc
+    returns freed blocks, and MKL keeps no matrix-product buffers between products (on
+    some CPUs, several MiB that the prediction does not count)."""
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MKL_DISABLE_FAST_MM": "1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # spawned ranks inherit it: glibc reads it at start-up
     try:
-        per_rank = run_local(trials, 2, MEASURED, timeout_s=300)  # one launch for both
-        return {case: [rank[i] for rank in per_rank] for i, case in enumerate(MEASURED)}
+        return run_local(fn, 2, args, timeout_s=300)
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def measured():
+    per_rank = _under_oracle_protocol(trials, MEASURED)  # one launch for both
+    return {case: [rank[i] for rank in per_rank] for i, case in enumerate(MEASURED)}
 
 
 @pytest.mark.parametrize("case", MEASURED, ids=lambda c: c.name)
@@ -184,17 +188,7 @@ def _tiled_trials(stages) -> list[dict]:
 def test_tiled_head_peak_within_ten_percent_of_measured():
     """fp32 at stages 0 and 3 (the loss's backward, and stage 3's moments around the
     gathered head): the prediction with tiles against VmHWM, the oracle's protocol."""
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MKL_DISABLE_FAST_MM": "1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        per_rank = run_local(_tiled_trials, 2, TILED_STAGES, timeout_s=300)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    per_rank = _under_oracle_protocol(_tiled_trials, TILED_STAGES)
     whole = dataclasses.replace(TILED, vocab_tiles=1)
     for i, stage in enumerate(TILED_STAGES):
         c = PeakConfig(TILED, stage=stage, dp=2, micro_batch=4)
