@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from tests.workers.jobs import TINY_GPT2, tiny_job
 from workers.build import build_dataset, build_model, optimizer_factory
 from workers.spec import JobSpec
+from zeroservice.models.tiled_head import TiledHead
 
 
 def _error(body) -> str:
@@ -85,6 +86,9 @@ def test_builds_each_model_kind_and_dataset(tmp_path):
     model, init = build_model(gpt, None)
     x = torch.randint(0, 256, (2, 16))
     assert model(x, x).ndim == 0 and init is None
+    tiled, _ = build_model(tiny_job(model={"vocab_tiles": 4}), None)
+    assert isinstance(tiled.head, TiledHead) and tiled.head.tiles == 4
+    torch.testing.assert_close(tiled(x, x), model(x, x), rtol=1e-5, atol=0)
     hf = tiny_job(
         model=TINY_GPT2,
     )
