@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import zeroservice
+from zeroservice import host_memory
 from zeroservice.config import ZeroConfig
 from zeroservice.data import SyntheticTokens, micro_batch
-from zeroservice.host_memory import HostTrim
+from zeroservice.host_memory import MIN_FREE_BYTES, HostTrim, return_free_heap
 from zeroservice.launch import run_local
 from zeroservice.models import GPT, GPTConfig
 
@@ -34,6 +35,34 @@ def test_trim_waits_for_enough_free_heap():
     trim = HostTrim(True, min_free_bytes=2**62)
     trim()
     assert trim.points == 1 and trim.calls == 0
+
+
+class _Libc:
+    """Stands in for glibc: a heap with ``free`` bytes free; counts trims."""
+
+    def __init__(self, free: int | None):
+        self.free, self.trims = free, 0
+
+    def free_bytes(self) -> int | None:
+        return self.free
+
+    def trim(self, pad: int) -> int:
+        self.trims += 1
+        return 1
+
+
+@pytest.mark.parametrize("free,trims", [(MIN_FREE_BYTES, 1), (MIN_FREE_BYTES - 1, 0), (None, 1)])
+def test_return_free_heap_trims_a_large_heap_only(monkeypatch, free, trims):
+    """Once, now, when the heaps hold MIN_FREE_BYTES free (or glibc cannot say)."""
+    libc = _Libc(free)
+    monkeypatch.setattr(host_memory, "_glibc", lambda: libc)
+    assert return_free_heap() == free and libc.trims == trims
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)
+    assert return_free_heap() is None
+
+
+def test_return_free_heap_on_this_glibc():
+    assert isinstance(return_free_heap(min_free_bytes=0), int)
 
 
 def test_trim_switched_off_does_nothing():
