@@ -597,13 +597,13 @@ class Engine:
         new copy never stand side by side; for a caller that reads them no more (on the
         267 M GPT at stage 2, growing 1 -> 2 ranks, the lent state is 4.3 GB beside a
         3.2 GB first copy)."""
-        from .checkpoint.peers import PeerSnapshot, restore_from_peers
+        from .checkpoint.peers import restore_from_peers, snapshots_of
 
         slices = self.mp_group if self.mp_size > 1 else None
         result = restore_from_peers(self._sharded_state(), held, self.comm, slices=slices)
         self._restore(result.counters)
         if release:
-            for snapshot in [held] if isinstance(held, PeerSnapshot) else held or []:
+            for snapshot in snapshots_of(held):
                 snapshot.release()
         if self.host_copies is not None:  # a second failure finds a copy at once
             self.host_copies.refresh(self._sharded_state())

@@ -199,19 +199,15 @@ def _compare(
     }
 
 
-def _snapshots(held) -> list:
-    return [held] if isinstance(held, peers.PeerSnapshot) else list(held or [])
-
-
 def _copies_of(held) -> list[int]:
     """The old ranks ``held`` still covers."""
-    return [r for snapshot in _snapshots(held) for r in snapshot.copies]
+    return [r for snapshot in peers.snapshots_of(held) for r in snapshot.copies]
 
 
 def _tensor_refs(held) -> list[weakref.ref]:
     """Weak references to every tensor ``held`` refers to (and the bases of views)."""
     tensors = []
-    for snapshot in _snapshots(held):
+    for snapshot in peers.snapshots_of(held):
         for copy in snapshot.copies.values():
             own = [copy.data] if isinstance(copy, peers.HeldCopy) else list(copy.tensors)
             tensors += own + [t._base for t in own if t._base is not None]

@@ -468,6 +468,11 @@ def _common_step(covered: list[Key], why: str, slices) -> Key:
     return max(common)
 
 
+def snapshots_of(held: PeerSnapshot | list[PeerSnapshot] | None) -> list[PeerSnapshot]:
+    """What a rank passes to a restore (one snapshot, several, or none), as a list."""
+    return [held] if isinstance(held, PeerSnapshot) else list(held or [])
+
+
 def restore_from_peers(
     state: ShardedState,
     held: PeerSnapshot | list[PeerSnapshot] | None,
@@ -482,7 +487,7 @@ def restore_from_peers(
     if state.pending_micro_steps:
         raise CheckpointError("restore: gradients are being accumulated; restore between steps")
     group = state.group
-    mine = [held] if isinstance(held, PeerSnapshot) else list(held or [])
+    mine = snapshots_of(held)
     catalogs: list[Any] = [None] * state.world
     dist.all_gather_object(catalogs, [c.catalog() for c in mine], group=group)
     covered, missing_at = _covered(catalogs)
