@@ -38,7 +38,7 @@ from .memory import (
     tensor_bytes,
 )
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
-from .precision import DynamicLossScaler, param_dtype, reduce_dtype
+from .precision import DynamicLossScaler, check_param_dtypes, param_dtype, reduce_dtype
 from .quantize import BITS
 from .reduce import GradReducer
 from .redundancy import HostCopies
@@ -96,6 +96,7 @@ class Engine:
         self.policy = policy_for(config.stage, self.dp_world)
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
+        check_param_dtypes(module, config.precision)
         template, opt_group = group_of_params(optimizer, trainable_parameters(module))
         self.layout = plan_layout(
             module,

@@ -5,14 +5,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from .config import LossScaleConfig
+from .config import ConfigError, LossScaleConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def param_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
+
+
+def check_param_dtypes(module: nn.Module, precision: str) -> None:
+    """Refuse parameters the engine would silently cast: every parameter goes into a
+    flat buffer of the training dtype, with fp32 masters, so a float64 (or other)
+    weight would reach the model's forward as another dtype than the one it was built
+    with, and fail there or lose precision without a word. float32 weights, and
+    weights already in the training dtype, are what a precision starts from."""
+    allowed = (torch.float32, DTYPES[precision])
+    odd = [(n, p.dtype) for n, p in module.named_parameters() if p.dtype not in allowed]
+    if not odd:
+        return
+    shown = ", ".join(f"{n} ({_name(d)})" for n, d in odd[:3])
+    more = f" and {len(odd) - 3} more" if len(odd) > 3 else ""
+    train = _name(DTYPES[precision])
+    accepted = "float32" if train == "float32" else f"float32 or {train}"
+    masters = "" if train == "float32" else " with float32 masters"
+    raise ConfigError(
+        f"model: parameters {shown}{more} are not {accepted}: precision {precision!r} "
+        f"trains every parameter in {train}{masters}; convert the model first "
+        "(e.g. model.float())"
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def reduce_dtype(precision: str, reduce: str) -> torch.dtype:

@@ -4,12 +4,16 @@ step on every rank."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
 
+import zeroservice
 from tests.engine.scenarios import Spec, fp16_overflow, mixed_precision_parity
+from zeroservice import ConfigError
 from zeroservice.launch import run_local
+from zeroservice.precision import DTYPES, check_param_dtypes
 
 # The engine keeps bf16/fp16 parameters and gradients with fp32 masters; DDP under
 # autocast keeps fp32 weights and casts per op. Both follow the same SGD + momentum
@@ -86,3 +90,58 @@ def test_fp16_overflow_skips_on_every_rank_and_backs_off():
         assert r["digests"][bad + 1] != r["digests"][bad]
     # Every rank holds the same weights after the skip.
     assert len({tuple(r["digests"]) for r in per_rank}) == 1
+
+
+class _Mixed(torch.nn.Module):
+    """Four float32 layers, ``odd`` of them converted to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype, odd: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        for layer in self.layers[:odd]:
+            layer.to(dtype)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x.to(layer.weight.dtype))
+        return x.float().sum()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_float32_and_training_dtype_parameters_are_accepted(precision):
+    check_param_dtypes(_Mixed(torch.float32, 0), precision)
+    check_param_dtypes(_Mixed(DTYPES[precision], 2), precision)
+
+
+@pytest.mark.parametrize(
+    "precision,dtype,message",
+    [
+        ("fp32", torch.float64, "not float32: precision 'fp32' trains every parameter in float32;"),
+        ("fp32", torch.bfloat16, "not float32:"),
+        ("bf16", torch.float16, "not float32 or bfloat16: precision 'bf16' trains every "),
+        ("fp16", torch.float64, "not float32 or float16:"),
+    ],
+)
+def test_other_parameter_dtypes_are_refused_by_name(precision, dtype, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        check_param_dtypes(_Mixed(dtype, 1), precision)
+    assert f"layers.0.weight ({str(dtype).removeprefix('torch.')})" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"layers\.1\.weight .* and 3 more are not"):
+        check_param_dtypes(_Mixed(dtype, 3), precision)
+
+
+def _initialize_float64(stage: int) -> str:
+    """In each rank: the error ``initialize`` raises for a model with float64 layers."""
+    try:
+        zeroservice.initialize(_Mixed(torch.float64, 1), {"stage": stage}, torch.optim.AdamW)
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_initialize_refuses_float64_parameters_on_every_rank():
+    """Without the check the weights were cast to float32 and the model's own forward
+    failed later (``mat1 and mat2 must have the same dtype``)."""
+    for stage in (0, 3):
+        messages = run_local(_initialize_float64, 2, stage)
+        assert all(m.startswith("model: parameters layers.0.weight (float64)") for m in messages)
