@@ -65,6 +65,15 @@ Stages 0/1 without a cast reduce the full gradient in place and need no staging 
 at all; the ring's receive scratch is bounded by C_B / N as well (see [Note: rings on
 gloo] in ring.py).
 
+[Note: sparse gradients]
+An op such as ``nn.Embedding(sparse=True)`` gives autograd a sparse gradient (the rows
+of the indices it read, repeated indices not yet summed). Stages 0/1 let autograd add it
+into the dense ``param.grad`` view in place. Stages 2/3 make it dense in ``stage_grad``
+before staging or holding it: the reduction partitions the flat parameter, so every
+rank needs its chunk's rows whatever the indices. The dense copy is the parameter's
+size and lives until it is staged (or, for an oversized unit, reduced), as a dense
+gradient would; the bytes sent are the same as for a dense model.
+
 [Note: stage 3 reduction]
 At stage 3 the parameters are not leaves of the graph, so no hook fires per
 parameter: the gather node of a unit (gather.py) hands over all of the unit's
@@ -293,7 +302,10 @@ class GradReducer:
     def stage_grad(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Copy one gradient into the unit's staging buffer (added if already staged).
 
-        An oversized unit keeps a reference instead. See [Note: constant buffers]."""
+        An oversized unit keeps a reference instead. See [Note: constant buffers] and
+        [Note: sparse gradients]."""
+        if grad.layout != torch.strided:
+            grad = grad.to_dense()
         if self._piecewise[unit.index]:
             held = self._held.setdefault(unit.index, [None] * len(unit.slots))
             flat, before = grad.reshape(-1), held[slot_index]
