@@ -734,8 +734,8 @@ def frozen_bytes_for_module(
 
 def human_bytes(n: float) -> str:
     """Bytes in binary units: 1.50 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"):
+        if abs(n) < 1024 or unit == "YiB":
             return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

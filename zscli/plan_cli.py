@@ -190,7 +190,7 @@ def _auto(args: argparse.Namespace, model: planner.ModelSpec) -> int:
         print(f"engine: {json.dumps(result.choice.engine_config())}")
         kinds = result.choice.peak.breakdown[result.choice.peak.phase]
         for kind, n in kinds.items():
-            print(f"  {kind:<20}{n:>16,} bytes")
+            print(f"  {kind:<20} {n:>15,} bytes")
     return 0 if result.fits else 1
 
 
@@ -322,12 +322,12 @@ def format_plan(plan: planner.MemoryPlan) -> str:
         f"Ψ = {plan.psi:,} ({plan.psi_local:,} per model-parallel rank)"
     )
     values = plan.as_dict()
-    lines = [head, f"{'kind':<24}{'per rank':>14}{'bytes':>24}"]
+    lines = [head, f"{'kind':<24}{'per rank':>14} {'bytes':>23}"]
     for key, label in _KINDS:
         n = int(values[key])
         if not n and key in _ZEROPP_KINDS:
             continue
-        lines.append(f"{label:<24}{planner.human_bytes(n):>14}{n:>24,}")
+        lines.append(f"{label:<24}{planner.human_bytes(n):>14} {n:>23,}")
     return "\n".join(lines)
 
 
