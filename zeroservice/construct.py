@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
+from .config import ConfigError
 from .flat import FlatUnit, ParamSlot, frozen_key, padded_size, swap_in
 from .partition import NamedParams
 
@@ -65,6 +66,19 @@ def deferred_init() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def check_materialised(module: nn.Module) -> None:
+    """Refuse a lazy module's parameters (``nn.LazyLinear`` before its first forward):
+    they have no shape yet, so no unit can hold them."""
+    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.UninitializedParameter)]
+    if lazy:
+        more = f" and {len(lazy) - 3} more" if len(lazy) > 3 else ""
+        raise ConfigError(
+            f"model: parameters {', '.join(lazy[:3])}{more} are not initialised yet (a lazy "
+            "module): run one forward with a sample batch before initialize, so they have "
+            "their shapes"
+        )
 
 
 def is_deferred(module: nn.Module) -> bool:

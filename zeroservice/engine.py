@@ -96,6 +96,7 @@ class Engine:
         self.policy = policy_for(config.stage, self.dp_world)
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
+        construct.check_materialised(module)
         check_param_dtypes(module, config.precision)
         template, opt_group = group_of_params(optimizer, trainable_parameters(module))
         self.layout = plan_layout(

@@ -1,0 +1,110 @@
+"""Models built from torch's own layers train alike at every stage: recurrent layers
+(which keep their own list of weight tensors), attention and encoder layers, batch norm
+(buffers updated in forward), a weight-norm parametrization (weights computed from other
+parameters at every forward), and a lazy layer once materialised. Stages 1-3 give stage
+0's losses (rtol 1e-5); a lazy layer before its first forward is refused by name."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import zeroservice
+from zeroservice import ConfigError
+from zeroservice.construct import check_materialised
+from zeroservice.launch import run_local
+
+STAGES = (0, 1, 2, 3)
+
+
+class _Head(nn.Module):
+    def __init__(self, body: nn.Module, width: int):
+        super().__init__()
+        self.body, self.head = body, nn.Linear(width, 1)
+
+    def forward(self, x):
+        out = self.body(x)
+        return self.head(out[0] if isinstance(out, tuple) else out).pow(2).mean()
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+class _ConvNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(8, 8, 3, padding=1), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv(x.transpose(1, 2)))).transpose(1, 2)
+
+
+def _lazy() -> nn.Module:
+    model = _Head(nn.Sequential(nn.LazyLinear(8), nn.Tanh()), 8)
+    model(torch.zeros(1, 5, 8))  # materialised by a first forward
+    return model
+
+
+MODELS = {
+    "lstm": lambda: _Head(nn.LSTM(8, 16, num_layers=2, batch_first=True), 16),
+    "gru": lambda: _Head(nn.GRU(8, 16, batch_first=True), 16),
+    "encoder": lambda: _Head(
+        nn.TransformerEncoderLayer(8, 2, 32, dropout=0.0, batch_first=True), 8
+    ),
+    "attention": lambda: _Head(_Attention(), 8),
+    "conv-batchnorm": lambda: _Head(_ConvNorm(), 8),
+    "weight-norm": lambda: _Head(parametrizations.weight_norm(nn.Linear(8, 8)), 8),
+    "lazy": _lazy,
+}
+
+
+def _losses(kind: str, stage: int) -> list[float]:
+    torch.manual_seed(0)
+    engine = zeroservice.initialize(
+        MODELS[kind](), {"stage": stage}, lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+    )
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        loss = engine(torch.randn(4, 5, 8, generator=g))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    engine.close()
+    return losses
+
+
+def _all() -> dict[tuple[str, int], list[float]]:
+    return {(kind, stage): _losses(kind, stage) for kind in MODELS for stage in STAGES}
+
+
+@functools.cache
+def _results() -> list[dict[tuple[str, int], list[float]]]:
+    return run_local(_all, 2)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_every_stage_trains_torch_layers_as_stage_0(kind):
+    for per_rank in _results():
+        reference = torch.tensor(per_rank[(kind, 0)])
+        assert reference[-1] != reference[0]
+        for stage in STAGES[1:]:
+            got = torch.tensor(per_rank[(kind, stage)])
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=0)
+
+
+def test_a_lazy_layer_before_its_first_forward_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"parameters 0\.weight, 0\.bias are not initialised"):
+        check_materialised(nn.Sequential(nn.LazyLinear(4)))
+    check_materialised(nn.Sequential(nn.Linear(4, 4)))
