@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from .buffers import Arena
 from .tensor_parallel import MPGroup
@@ -261,9 +262,15 @@ class ActivationCheckpointer:
 
 
 def checkpointed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every item of every nn.ModuleList: the transformer blocks."""
+    """Every item of the outermost nn.ModuleLists: the transformer blocks. A list inside
+    an item already found (a block's experts) is recomputed with its block, and a
+    parametrization's list (``torch.nn.utils.parametrize``) computes a weight from other
+    parameters at every access: neither is a block of its own."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
-        if isinstance(module, nn.ModuleList):
-            found.extend((f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module))
+        if not isinstance(module, nn.ModuleList) or isinstance(module, ParametrizationList):
+            continue
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        found.extend((f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module))
     return found

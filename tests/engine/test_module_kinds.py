@@ -16,6 +16,7 @@ from torch.nn.utils import parametrizations
 
 import zeroservice
 from zeroservice import ConfigError
+from zeroservice.activations import checkpointed_modules
 from zeroservice.construct import check_materialised
 from zeroservice.launch import run_local
 
@@ -108,3 +109,20 @@ def test_a_lazy_layer_before_its_first_forward_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"parameters 0\.weight, 0\.bias are not initialised"):
         check_materialised(nn.Sequential(nn.LazyLinear(4)))
     check_materialised(nn.Sequential(nn.Linear(4, 4)))
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.proj = parametrizations.weight_norm(nn.Linear(8, 8))
+
+
+def test_activation_checkpointing_takes_the_outermost_lists_items_as_blocks():
+    """A block's own list (its experts) is recomputed with the block, and a weight-norm
+    parametrization's list computes a weight: neither is checkpointed on its own."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList(_Experts() for _ in range(3))
+    model.norm = parametrizations.weight_norm(nn.Linear(8, 8))
+    assert [name for name, _ in checkpointed_modules(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert checkpointed_modules(_Experts().proj) == []
