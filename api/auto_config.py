@@ -9,7 +9,10 @@ the resolved one, so the ranks never see "auto", and the job's first events say 
 was chosen and why. Nothing fits: the submission is refused with the numbers.
 
 What auto may change: the fields in ``CHOSEN`` and, for a job of one fixed size, the
-split of its ranks (``resources.dp`` × ``resources.mp`` stays the same world). An elastic
+split of its ranks (``resources.dp`` × ``resources.mp`` stays the same world). CPU ranks
+get ``resources.host_allocator: mapped`` unless the job names it: the predicted peak is
+the resident memory with glibc's mapping threshold at 128 KiB, and under glibc's
+default settings ranks hold more (docs/operations.md, "Host memory of CPU ranks"). An elastic
 job (min_dp < max_dp) keeps its N_m and is sized at its fewest replicas, where each rank
 holds the most. The choice rests on the reference GPT's peak model, so a job it does
 not cover (another model, optimizer, fp16, accumulation, host copies, ZeRO++) is
@@ -99,8 +102,11 @@ def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any
     engine = {k: v for k, v in spec.engine.items() if k != "stage"}
     engine.update(chosen.engine_config())
     resources = res.model_dump()
+    if res.gpus_per_rank == 0 and res.host_allocator is None:
+        resources["host_allocator"] = "mapped"  # the setting the predicted peak holds for
     if not elastic:
         resources.update(dp=chosen.config.dp, mp=chosen.config.mp, min_dp=None, max_dp=None)
+    weighed["host_allocator"] = resources["host_allocator"]
     data = spec.model_dump(mode="json")
     data.update(engine=engine, resources=resources)
     try:
@@ -124,6 +130,7 @@ def configured_event(weighed: dict[str, Any]) -> dict[str, Any]:
             "peak_bytes": choice["peak_bytes"],
             "budget_bytes": weighed["budget_bytes"],
             "considered": weighed["considered"],
+            "host_allocator": weighed.get("host_allocator"),
         },
     }
 

@@ -47,8 +47,14 @@ def is_loopback_address(address: str | None) -> bool:
     return host in ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-def actor_env() -> dict[str, str]:
-    """Variables every rank actor gets (from this process's environment)."""
+MAPPED_THRESHOLD = "131072"
+"""``MALLOC_MMAP_THRESHOLD_`` for ranks whose job asks for ``host_allocator: mapped``:
+the setting the planner's host-memory predictions hold for (docs/planner.md)."""
+
+
+def actor_env(host_allocator: str | None = None) -> dict[str, str]:
+    """Variables every rank actor gets (from this process's environment), and glibc's
+    mapping threshold when the job's ``resources.host_allocator`` is ``mapped``."""
     keys = (
         "GLOO_SOCKET_IFNAME",
         "NCCL_SOCKET_IFNAME",
@@ -56,7 +62,10 @@ def actor_env() -> dict[str, str]:
         "ZEROSERVICE_PEAK_TFLOPS",
         "RAY_USAGE_STATS_ENABLED",
     )
-    return {k: os.environ[k] for k in keys if k in os.environ}
+    env = {k: os.environ[k] for k in keys if k in os.environ}
+    if host_allocator == "mapped":
+        env["MALLOC_MMAP_THRESHOLD_"] = MAPPED_THRESHOLD
+    return env
 
 
 def use_own_token() -> None:

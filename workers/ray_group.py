@@ -444,7 +444,7 @@ class RayWorkerPool:
                     placement_group=seat.placement.group,
                     placement_group_bundle_index=seat.bundle,
                 ),
-                runtime_env={"env_vars": actor_env()},
+                runtime_env={"env_vars": actor_env(self.spec.resources.host_allocator)},
             )
             .remote(self.job_id, rank, self.spec_json, (seat.placement.group.id.hex(), seat.bundle))
         )

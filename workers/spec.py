@@ -214,6 +214,13 @@ class ResourcesSpec(_Strict):
     """1: each rank takes one GPU (NCCL); 0: CPU ranks (gloo)."""
     cpus_per_rank: float = Field(1.0, gt=0, le=256)
     """CPUs reserved per rank (fractions let ranks share cores)."""
+    host_allocator: Literal["mapped", "inherit"] | None = None
+    """How the ranks' C library (glibc) holds host memory. ``mapped``: the ranks start
+    with ``MALLOC_MMAP_THRESHOLD_=131072``, so every block above 128 KiB is mapped on its
+    own and returned when freed, and resident memory follows the live tensors as the
+    planner predicts it (at a cost in step time). ``inherit``: whatever the Ray node's
+    environment says (unset: the same). ``stage: "auto"`` sets ``mapped`` for CPU ranks
+    when the job leaves it unset, since the fit it chose rests on the prediction."""
 
     @model_validator(mode="after")
     def _bounds(self) -> ResourcesSpec:

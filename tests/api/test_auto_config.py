@@ -9,6 +9,7 @@ import pytest
 
 from api.auto_config import AutoRefused, resolve
 from tests.api.test_routes import TINY
+from workers.cluster import actor_env
 from workers.spec import JobSpec
 from zeroservice.autoconf import RUNTIME_RESERVE, auto_configure
 from zeroservice.config import ConfigError
@@ -141,3 +142,22 @@ def test_the_spec_accepts_auto_and_nothing_else_by_name():
     with pytest.raises(ValueError, match="engine.precision"):
         JobSpec.model_validate({**SMALL, "engine": {"stage": "auto", "precision": "fp64"}})
     assert JobSpec.model_validate({**TINY}).zero_config().stage == 3
+
+
+def test_cpu_ranks_of_an_auto_job_run_with_the_threshold_the_prediction_holds_for(monkeypatch):
+    """Under glibc's default settings a rank holds more than the predicted peak, so the
+    resolved job maps its blocks above 128 KiB on their own, unless it said otherwise
+    (and GPU ranks, whose device memory the prediction is about, are left alone)."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999999")  # what the Ray node says
+    resolved, weighed = resolve(JobSpec.model_validate(SMALL), 200 * MIB)
+    assert resolved.resources.host_allocator == weighed["host_allocator"] == "mapped"
+    assert actor_env(resolved.resources.host_allocator)["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    named = {**SMALL, "resources": {**SMALL["resources"], "host_allocator": "inherit"}}
+    kept, _ = resolve(JobSpec.model_validate(named), 200 * MIB)
+    assert kept.resources.host_allocator == "inherit"
+    assert actor_env(kept.resources.host_allocator)["MALLOC_MMAP_THRESHOLD_"] == "999999"
+    gpus = {**SMALL, "resources": {**SMALL["resources"], "gpus_per_rank": 1}}
+    on_gpus, _ = resolve(JobSpec.model_validate(gpus), 200 * MIB)
+    assert on_gpus.resources.host_allocator is None
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert "MALLOC_MMAP_THRESHOLD_" not in actor_env(None)

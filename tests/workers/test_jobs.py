@@ -82,12 +82,22 @@ def test_per_step_history_phases_and_tracking_of_a_job(local_ray, tmp_path):
 
 
 def test_dp2_mp2_job_on_fractional_cpus_completes(local_ray, tmp_path):
+    """... and its ranks start with glibc's mapping threshold, as the job asks."""
+    from workers.jobs import launch
+
     ray = local_ray
     spec = tiny_job(
-        resources={"dp": 2, "mp": 2, "cpus_per_rank": 0.5},
+        steps=24,
+        checkpoint={"interval_steps": 12},
+        resources={"dp": 2, "mp": 2, "cpus_per_rank": 0.5, "host_allocator": "mapped"},
         engine={"stage": 3, "bucket_elements": 4096},
     )
-    handle, status = _run(ray, "dp2mp2", spec, tmp_path / "ckpt")
+    handle = launch("dp2mp2", spec, tmp_path / "ckpt")
+    wait_for(lambda: len(ray.get(handle.ranks.remote())) == 4, 120, "the four ranks")
+    for rank in ray.get(handle.ranks.remote()):
+        environ = Path(f"/proc/{rank['pid']}/environ").read_bytes().split(b"\0")
+        assert b"MALLOC_MMAP_THRESHOLD_=131072" in environ
+    status = ray.get(handle.wait.remote(240))
     assert status == "succeeded", ray.get(handle.status.remote())
     ranks = ray.get(handle.metrics.remote())
     assert len(ranks) == 4

@@ -66,6 +66,7 @@ def _error(body) -> str:
         ({"optimizer": {"betas": [0.9, 1.5]}}, "beta"),
         ({"timeouts": {"step_s": 0}}, "timeouts.step_s"),
         ({"name": "bad/name"}, "name"),
+        ({"resources": {"host_allocator": "jemalloc"}}, "resources.host_allocator"),
     ],
 )
 def test_bad_specs_name_the_field(body, needle):
