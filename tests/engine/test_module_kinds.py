@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import zeroservice
+from tests.engine.harness import run_engine
 from zeroservice import ConfigError
 from zeroservice.activations import checkpointed_modules
 from zeroservice.construct import check_materialised
@@ -70,18 +71,17 @@ MODELS = {
 }
 
 
+def _batches(step: int, accum: int) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+    return [(torch.randn(4, 5, 8, generator=g),)]
+
+
 def _losses(kind: str, stage: int) -> list[float]:
     torch.manual_seed(0)
     engine = zeroservice.initialize(
         MODELS[kind](), {"stage": stage}, lambda ps: torch.optim.AdamW(ps, lr=1e-2)
     )
-    losses = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(10 * step + dist.get_rank())
-        loss = engine(torch.randn(4, 5, 8, generator=g))
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
+    losses = run_engine(engine, _batches, 3, keep_state=False).losses
     engine.close()
     return losses
 

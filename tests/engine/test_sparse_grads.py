@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroservice
+from tests.engine.harness import run_engine
 from zeroservice.launch import run_local
 
 STAGES = (0, 1, 2, 3)
@@ -31,10 +32,11 @@ class _Bag(nn.Module):
         return self.head(torch.tanh(self.big(big) + self.small(small))).pow(2).mean()
 
 
-def _batch(step: int):
+def _batches(step: int, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 * step + dist.get_rank())
     # Repeated indices: a sparse gradient then holds several rows for one index.
-    return torch.randint(0, 30, (4, 6), generator=g) * 20, torch.randint(0, 40, (4, 6), generator=g)
+    big = torch.randint(0, 30, (4, 6), generator=g) * 20
+    return [(big, torch.randint(0, 40, (4, 6), generator=g))]
 
 
 def _losses(stage: int, sparse: bool) -> list[float]:
@@ -44,12 +46,7 @@ def _losses(stage: int, sparse: bool) -> list[float]:
         {"stage": stage, "bucket_elements": 4096},
         lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     )
-    losses = []
-    for step in range(STEPS):
-        loss = engine(*_batch(step))
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
+    losses = run_engine(engine, _batches, STEPS, keep_state=False).losses
     engine.close()
     return losses
 
