@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
     }
     path.write_text(
         json.dumps({"meta": meta, "summary": summary, "ratios": ratios, "paired": paired}, indent=2)

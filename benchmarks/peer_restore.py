@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -163,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['handover_newcomer_rss'] / 2**20:15.0f}"
         )
     path = result_path(args.out, f"peer-restore-{args.model}")
-    record = {"model": args.model, "ballast_gib": args.ballast_gib, "summary": summary}
+    record = {
+        "model": args.model,
+        "ballast_gib": args.ballast_gib,
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+        "summary": summary,
+    }
     path.write_text(json.dumps(record | {"runs": runs}, indent=2))
     print(f"\nwrote {path}")
     return 0

@@ -25,8 +25,13 @@ node's return (``add_node``) to the first step at dp 2, and the same from the mo
 Ray reports the new node alive (its raylet's start is not the job's doing); the JSON's
 ``join`` breaks it down (node alive, growing, re-formed, first step).
 
+``--host-allocator`` sets the job's ``resources.host_allocator`` (unset: ``huge``,
+the ranks' large host blocks in transparent huge pages; ``inherit`` leaves them to the
+node's environment).
+
     python -m benchmarks.recovery [--model small|large] [--kills 10] [--every 12]
                                   [--modes restart live] [--mp 1|2]
+                                  [--host-allocator huge|mapped|inherit]
 
 Prints the table and writes JSON to benchmarks/results/recovery-<model>[-mp2].json.
 """
@@ -174,12 +179,19 @@ def _join_breakdown(
 
 
 def run_mode(
-    model: str, mode: str, kills: int, every: float, baseline_s: float, seed: int, mp: int = 1
+    model: str,
+    mode: str,
+    kills: int,
+    every: float,
+    baseline_s: float,
+    seed: int,
+    mp: int = 1,
+    host_allocator: str | None = None,
 ) -> dict:
     from workers.cluster import SimulatedCluster
 
     with SimulatedCluster(nodes=2, cpus_per_node=mp) as sim:
-        return _run_mode(sim, model, mode, kills, every, baseline_s, seed, mp)
+        return _run_mode(sim, model, mode, kills, every, baseline_s, seed, mp, host_allocator)
 
 
 def _run_mode(
@@ -191,6 +203,7 @@ def _run_mode(
     baseline_s: float,
     seed: int,
     mp: int,
+    host_allocator: str | None,
 ) -> dict:
     import ray
 
@@ -209,7 +222,14 @@ def _run_mode(
             "optimizer": {"type": "adamw", "lr": 1e-3},
             "steps": 10**7,
             "micro_batch": micro_batch,
-            "resources": {"dp": 2, "min_dp": 1, "max_dp": 2, "cpus_per_rank": 1, "mp": mp},
+            "resources": {
+                "dp": 2,
+                "min_dp": 1,
+                "max_dp": 2,
+                "cpus_per_rank": 1,
+                "mp": mp,
+                "host_allocator": host_allocator,
+            },
             "checkpoint": {"interval_steps": 5, "keep": 2},
             "timeouts": {"bootstrap_s": 300, "step_s": 120},
             "max_restarts": 1000,
@@ -344,6 +364,7 @@ def _run_mode(
         "params": params,
         "mode": mode,
         "mp": mp,
+        "host_allocator": spec.resources.host_allocator or "huge",
         "regroup_p50_s": statistics.median(regroup) if regroup else None,
         "steps_per_s_no_faults": rate,
         "kills": len(faults),
@@ -371,11 +392,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mp", type=int, choices=[1, 2], default=1)
     parser.add_argument(
+        "--host-allocator",
+        choices=["huge", "mapped", "inherit"],
+        default=None,
+        help="the job's resources.host_allocator (default: unset, i.e. huge)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="JSON path (default: results/recovery-MODEL.json)"
     )
     args = parser.parse_args()
     results = [
-        run_mode(args.model, m, args.kills, args.every, args.baseline, args.seed, args.mp)
+        run_mode(
+            args.model,
+            m,
+            args.kills,
+            args.every,
+            args.baseline,
+            args.seed,
+            args.mp,
+            args.host_allocator,
+        )
         for m in args.modes
     ]
     header = (

@@ -214,12 +214,17 @@ class ResourcesSpec(_Strict):
     """1: each rank takes one GPU (NCCL); 0: CPU ranks (gloo)."""
     cpus_per_rank: float = Field(1.0, gt=0, le=256)
     """CPUs reserved per rank (fractions let ranks share cores)."""
-    host_allocator: Literal["mapped", "inherit"] | None = None
-    """How the ranks' C library (glibc) holds host memory. ``mapped``: the ranks start
-    with ``MALLOC_MMAP_THRESHOLD_=131072``, so every block above 128 KiB is mapped on its
-    own and returned when freed, and resident memory follows the live tensors as the
-    planner predicts it (at a cost in step time). ``inherit``: whatever the Ray node's
-    environment says (unset: the same). ``stage: "auto"`` sets ``mapped`` for CPU ranks
+    host_allocator: Literal["huge", "mapped", "inherit"] | None = None
+    """How the ranks hold host memory, set in the environment they start with.
+    ``huge`` (unset: the same): torch backs every host block of 2 MiB or more with
+    transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, where the kernel's THP mode is
+    ``madvise`` or ``always``), so writing fresh memory (a step's new tensors, a
+    restore after a lost rank, a host copy) faults once per 2 MiB instead of once per
+    4 KiB page; glibc keeps its default settings. ``mapped``: the same, and the ranks
+    start with ``MALLOC_MMAP_THRESHOLD_=131072``, so every block above 128 KiB is
+    mapped on its own and returned when freed, and resident memory follows the live
+    tensors as the planner predicts it (at a cost in step time). ``inherit``: whatever
+    the Ray node's environment says. ``stage: "auto"`` sets ``mapped`` for CPU ranks
     when the job leaves it unset, since the fit it chose rests on the prediction."""
 
     @model_validator(mode="after")

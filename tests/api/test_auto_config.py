@@ -161,3 +161,4 @@ def test_cpu_ranks_of_an_auto_job_run_with_the_threshold_the_prediction_holds_fo
     assert on_gpus.resources.host_allocator is None
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert "MALLOC_MMAP_THRESHOLD_" not in actor_env(None)
+    assert actor_env(None)["THP_MEM_ALLOC_ENABLE"] == "1"  # unset: huge pages only

@@ -97,6 +97,7 @@ def test_dp2_mp2_job_on_fractional_cpus_completes(local_ray, tmp_path):
     for rank in ray.get(handle.ranks.remote()):
         environ = Path(f"/proc/{rank['pid']}/environ").read_bytes().split(b"\0")
         assert b"MALLOC_MMAP_THRESHOLD_=131072" in environ
+        assert b"THP_MEM_ALLOC_ENABLE=1" in environ
     status = ray.get(handle.wait.remote(240))
     assert status == "succeeded", ray.get(handle.status.remote())
     ranks = ray.get(handle.metrics.remote())

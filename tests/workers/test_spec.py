@@ -167,3 +167,26 @@ def test_every_spec_field_and_metric_family_is_documented():
     assert not missing
     metrics = (docs / "metrics.md").read_text()
     assert [f for f in FAMILIES if f"`{f}`" not in metrics] == []
+
+
+@pytest.mark.parametrize(
+    "host_allocator,huge,threshold",
+    [(None, "1", None), ("huge", "1", None), ("mapped", "1", "131072"), ("inherit", None, None)],
+)
+def test_host_allocator_sets_the_ranks_start_up_environment(
+    monkeypatch, host_allocator, huge, threshold
+):
+    """What each ``resources.host_allocator`` puts in a rank actor's environment; with
+    ``inherit`` nothing of its own (the node's variables pass through as they are)."""
+    from workers.cluster import actor_env
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = actor_env(host_allocator)
+    assert env.get("THP_MEM_ALLOC_ENABLE") == huge
+    assert env.get("MALLOC_MMAP_THRESHOLD_") == threshold
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999999")
+    env = actor_env(host_allocator)
+    assert env["THP_MEM_ALLOC_ENABLE"] == (huge or "0")
+    assert env["MALLOC_MMAP_THRESHOLD_"] == (threshold or "999999")
