@@ -191,195 +191,183 @@ def run_mode(
     from workers.cluster import SimulatedCluster
 
     with SimulatedCluster(nodes=2, cpus_per_node=mp) as sim:
-        return _run_mode(sim, model, mode, kills, every, baseline_s, seed, mp, host_allocator)
+        import ray
 
+        from workers.jobs import launch, stop
+        from workers.spec import JobSpec
 
-def _run_mode(
-    sim: Any,
-    model: str,
-    mode: str,
-    kills: int,
-    every: float,
-    baseline_s: float,
-    seed: int,
-    mp: int,
-    host_allocator: str | None,
-) -> dict:
-    import ray
-
-    from workers.jobs import launch, stop
-    from workers.spec import JobSpec
-
-    engine: dict[str, Any] = {"stage": 2}
-    if mode == "live":
-        engine |= {"redundancy": "host-copy", "redundancy_interval": 1}
-    config, micro_batch = MODELS[model]
-    spec = JobSpec.model_validate(
-        {
-            "name": f"recovery-{mode}",
-            "model": config,
-            "engine": engine,
-            "optimizer": {"type": "adamw", "lr": 1e-3},
-            "steps": 10**7,
-            "micro_batch": micro_batch,
-            "resources": {
-                "dp": 2,
-                "min_dp": 1,
-                "max_dp": 2,
-                "cpus_per_rank": 1,
-                "mp": mp,
-                "host_allocator": host_allocator,
-            },
-            "checkpoint": {"interval_steps": 5, "keep": 2},
-            "timeouts": {"bootstrap_s": 300, "step_s": 120},
-            "max_restarts": 1000,
-        }
-    )
-    rng = random.Random(seed)
-    handle = launch(f"recovery-{mode}", spec, sim.workdir / "ckpt")
-
-    def rows() -> list[dict[str, Any]]:
-        return ray.get(handle.ranks.remote())
-
-    def step_now(members: list[dict[str, Any]]) -> int:
-        steps = [_scrape_step(r["metrics"]) for r in members]
-        return max((s for s in steps if s is not None), default=-1)
-
-    def wait_full(timeout: float = 300.0) -> list[dict[str, Any]]:
-        """Poll until the group has all its ranks again (grown back or restarted); a
-        job that never gets there ends the run, naming its last events."""
-        t0 = time.monotonic()
-        members = rows()
-        while len(members) < 2 * mp:
-            if time.monotonic() - t0 > timeout:
-                recent = [
-                    f"{e['kind']}/{e['reason']}: {e['message']}"
-                    for e in ray.get(handle.events.remote())[-6:]
-                ]
-                raise TimeoutError(
-                    f"{mode}: {len(members)} of {2 * mp} ranks after {timeout:.0f} s; "
-                    "last events:\n" + "\n".join(recent)
-                )
-            time.sleep(0.05)
-            members = rows()
-        return members
-
-    def wait_group(dp: int, without: int | None, timeout: float = 300.0):
-        """Poll until a group of ``dp`` replicas without pid ``without`` completed a
-        step past its start; returns (seconds waited, its rows)."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            members = rows()
-            fresh = len(members) >= dp * mp and all(r["pid"] != without for r in members)
-            if fresh and step_now(members) > members[0]["start_step"]:
-                return time.monotonic() - t0, members
-            time.sleep(0.05)
-        raise TimeoutError(f"{mode}: no step at dp {dp} within {timeout} s")
-
-    _, members = wait_group(2, None)
-    while step_now(members) < 6:
-        time.sleep(0.1)
-    s0, t0 = step_now(members), time.monotonic()
-    time.sleep(baseline_s)
-    members = rows()
-    rate = (step_now(members) - s0) / (time.monotonic() - t0)
-
-    faults = []
-    s_begin, t_begin = step_now(members), time.monotonic()
-    for _ in range(kills):
-        members = wait_full()  # growing back (live) or restarting
-        victim = rng.choice(members)
-        before = step_now(members)
-        os.kill(victim["pid"], signal.SIGKILL)
-        seconds, after = wait_group(1, victim["pid"])
-        regrouped = [
-            e
-            for e in ray.get(handle.events.remote())
-            if e["reason"] == "regrouped" and e["dp"] == len(after) // mp
-        ]
-        live = bool(regrouped) and mode == "live"
-        faults.append(
+        engine: dict[str, Any] = {"stage": 2}
+        if mode == "live":
+            engine |= {"redundancy": "host-copy", "redundancy_interval": 1}
+        config, micro_batch = MODELS[model]
+        spec = JobSpec.model_validate(
             {
-                "seconds": seconds,
-                "regroup_s": regrouped[-1].get("seconds") if live else None,
-                "phases": regrouped[-1].get("phases") if live else None,
-                "retrained": max(0, before - after[0]["start_step"]),
-                "new_dp": len(after) // mp,
+                "name": f"recovery-{mode}",
+                "model": config,
+                "engine": engine,
+                "optimizer": {"type": "adamw", "lr": 1e-3},
+                "steps": 10**7,
+                "micro_batch": micro_batch,
+                "resources": {
+                    "dp": 2,
+                    "min_dp": 1,
+                    "max_dp": 2,
+                    "cpus_per_rank": 1,
+                    "mp": mp,
+                    "host_allocator": host_allocator,
+                },
+                "checkpoint": {"interval_steps": 5, "keep": 2},
+                "timeouts": {"bootstrap_s": 300, "step_s": 120},
+                "max_restarts": 1000,
             }
         )
-        print(f"{mode}: kill -> step in {seconds:.2f} s, {faults[-1]}", flush=True)
-        if seconds > 3 * every / 4:  # what the job did meanwhile
-            recent = ray.get(handle.events.remote())[-8:]
-            faults[-1]["events"] = [f"{e['kind']}/{e['reason']}: {e['message']}" for e in recent]
-            print("\n".join(faults[-1]["events"]), flush=True)
-        time.sleep(max(0.0, every - seconds))
-    members = rows()
-    t_end = time.monotonic()
-    # A step at dp 1 trains half the samples of one at dp 2: count samples, each step
-    # at the data-parallel degree the job's history gives it. The last step is the
-    # history's too (a busy rank's endpoint may not answer a scrape in time).
-    dp_of = {
-        s: p["dp"]
-        for p in ray.get(handle.history.remote())
-        for s in range(p["step"] - p.get("steps", 1) + 1, p["step"] + 1)
-    }
-    s_end = max(step_now(members), max(dp_of, default=-1))
-    useful = s_end - s_begin
-    goodput_steps = useful / (t_end - t_begin) / rate if rate > 0 else 0.0
-    samples = sum(dp_of.get(s, 0) for s in range(s_begin + 1, s_end + 1))
-    goodput = samples / (t_end - t_begin) / (2 * rate) if rate > 0 else 0.0
+        rng = random.Random(seed)
+        handle = launch(f"recovery-{mode}", spec, sim.workdir / "ckpt")
 
-    members = wait_full()
-    sim.remove_node(sim.nodes[1])
-    wait_group(1, None)
-    time.sleep(3.0)
-    alive_before = _alive_nodes()
-    watch = _JoinWatch()
-    joined, joined_at = time.monotonic(), time.time()
-    watch.start(joined)
-    sim.add_node(num_cpus=mp, wait=False)
-    t_node = _wait_new_node(alive_before, joined)
-    wait_group(2, None)
-    t_join = time.monotonic() - joined  # from the node's return
-    watch.stop()
-    events = ray.get(handle.events.remote())
-    for e in events[-6:]:
-        print(
-            f"join +{_age(e['time'], joined_at):.2f} s: {e['kind']}/{e['reason']}: "
-            f"{e['message'][:160]}",
-            flush=True,
-        )
-    join = _join_breakdown(events, joined_at, t_node, t_join) | watch.seen
-    print(f"join: {join}", flush=True)
-    from workers.model_size import count_parameters
+        def rows() -> list[dict[str, Any]]:
+            return ray.get(handle.ranks.remote())
 
-    # The whole model's (a rank's psi is its slice with MP), built without a group.
-    unsplit = spec.model_copy(update={"resources": spec.resources.model_copy(update={"mp": 1})})
-    params = count_parameters(unsplit)
-    stop(f"recovery-{mode}")
-    secs = [f["seconds"] for f in faults]
-    regroup = [f["regroup_s"] for f in faults if f["regroup_s"] is not None]
-    return {
-        "model": model,
-        "params": params,
-        "mode": mode,
-        "mp": mp,
-        "host_allocator": spec.resources.host_allocator or "huge",
-        "regroup_p50_s": statistics.median(regroup) if regroup else None,
-        "steps_per_s_no_faults": rate,
-        "kills": len(faults),
-        "recover_p50_s": statistics.median(secs),
-        "recover_p95_s": _percentile(secs, 0.95),
-        "retrained_mean": statistics.mean(f["retrained"] for f in faults),
-        "retrained_max": max(f["retrained"] for f in faults),
-        "goodput": goodput,
-        "goodput_steps": goodput_steps,
-        "kill_every_s": every,
-        "join_s": t_join,
-        "join": join,
-        "faults": faults,
-        "regrouped": sum(e["reason"] == "regrouped" for e in events),
-    }
+        def step_now(members: list[dict[str, Any]]) -> int:
+            steps = [_scrape_step(r["metrics"]) for r in members]
+            return max((s for s in steps if s is not None), default=-1)
+
+        def wait_full(timeout: float = 300.0) -> list[dict[str, Any]]:
+            """Poll until the group has all its ranks again (grown back or restarted); a
+            job that never gets there ends the run, naming its last events."""
+            t0 = time.monotonic()
+            members = rows()
+            while len(members) < 2 * mp:
+                if time.monotonic() - t0 > timeout:
+                    recent = [
+                        f"{e['kind']}/{e['reason']}: {e['message']}"
+                        for e in ray.get(handle.events.remote())[-6:]
+                    ]
+                    raise TimeoutError(
+                        f"{mode}: {len(members)} of {2 * mp} ranks after {timeout:.0f} s; "
+                        "last events:\n" + "\n".join(recent)
+                    )
+                time.sleep(0.05)
+                members = rows()
+            return members
+
+        def wait_group(dp: int, without: int | None, timeout: float = 300.0):
+            """Poll until a group of ``dp`` replicas without pid ``without`` completed a
+            step past its start; returns (seconds waited, its rows)."""
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < timeout:
+                members = rows()
+                fresh = len(members) >= dp * mp and all(r["pid"] != without for r in members)
+                if fresh and step_now(members) > members[0]["start_step"]:
+                    return time.monotonic() - t0, members
+                time.sleep(0.05)
+            raise TimeoutError(f"{mode}: no step at dp {dp} within {timeout} s")
+
+        _, members = wait_group(2, None)
+        while step_now(members) < 6:
+            time.sleep(0.1)
+        s0, t0 = step_now(members), time.monotonic()
+        time.sleep(baseline_s)
+        members = rows()
+        rate = (step_now(members) - s0) / (time.monotonic() - t0)
+
+        faults = []
+        s_begin, t_begin = step_now(members), time.monotonic()
+        for _ in range(kills):
+            members = wait_full()  # growing back (live) or restarting
+            victim = rng.choice(members)
+            before = step_now(members)
+            os.kill(victim["pid"], signal.SIGKILL)
+            seconds, after = wait_group(1, victim["pid"])
+            regrouped = [
+                e
+                for e in ray.get(handle.events.remote())
+                if e["reason"] == "regrouped" and e["dp"] == len(after) // mp
+            ]
+            live = bool(regrouped) and mode == "live"
+            faults.append(
+                {
+                    "seconds": seconds,
+                    "regroup_s": regrouped[-1].get("seconds") if live else None,
+                    "phases": regrouped[-1].get("phases") if live else None,
+                    "retrained": max(0, before - after[0]["start_step"]),
+                    "new_dp": len(after) // mp,
+                }
+            )
+            print(f"{mode}: kill -> step in {seconds:.2f} s, {faults[-1]}", flush=True)
+            if seconds > 3 * every / 4:  # what the job did meanwhile
+                recent = ray.get(handle.events.remote())[-8:]
+                faults[-1]["events"] = [
+                    f"{e['kind']}/{e['reason']}: {e['message']}" for e in recent
+                ]
+                print("\n".join(faults[-1]["events"]), flush=True)
+            time.sleep(max(0.0, every - seconds))
+        members = rows()
+        t_end = time.monotonic()
+        # A step at dp 1 trains half the samples of one at dp 2: count samples, each step
+        # at the data-parallel degree the job's history gives it. The last step is the
+        # history's too (a busy rank's endpoint may not answer a scrape in time).
+        dp_of = {
+            s: p["dp"]
+            for p in ray.get(handle.history.remote())
+            for s in range(p["step"] - p.get("steps", 1) + 1, p["step"] + 1)
+        }
+        s_end = max(step_now(members), max(dp_of, default=-1))
+        useful = s_end - s_begin
+        goodput_steps = useful / (t_end - t_begin) / rate if rate > 0 else 0.0
+        samples = sum(dp_of.get(s, 0) for s in range(s_begin + 1, s_end + 1))
+        goodput = samples / (t_end - t_begin) / (2 * rate) if rate > 0 else 0.0
+
+        members = wait_full()
+        sim.remove_node(sim.nodes[1])
+        wait_group(1, None)
+        time.sleep(3.0)
+        alive_before = _alive_nodes()
+        watch = _JoinWatch()
+        joined, joined_at = time.monotonic(), time.time()
+        watch.start(joined)
+        sim.add_node(num_cpus=mp, wait=False)
+        t_node = _wait_new_node(alive_before, joined)
+        wait_group(2, None)
+        t_join = time.monotonic() - joined  # from the node's return
+        watch.stop()
+        events = ray.get(handle.events.remote())
+        for e in events[-6:]:
+            print(
+                f"join +{_age(e['time'], joined_at):.2f} s: {e['kind']}/{e['reason']}: "
+                f"{e['message'][:160]}",
+                flush=True,
+            )
+        join = _join_breakdown(events, joined_at, t_node, t_join) | watch.seen
+        print(f"join: {join}", flush=True)
+        from workers.model_size import count_parameters
+
+        # The whole model's (a rank's psi is its slice with MP), built without a group.
+        unsplit = spec.model_copy(update={"resources": spec.resources.model_copy(update={"mp": 1})})
+        params = count_parameters(unsplit)
+        stop(f"recovery-{mode}")
+        secs = [f["seconds"] for f in faults]
+        regroup = [f["regroup_s"] for f in faults if f["regroup_s"] is not None]
+        return {
+            "model": model,
+            "params": params,
+            "mode": mode,
+            "mp": mp,
+            "host_allocator": spec.resources.host_allocator or "huge",
+            "regroup_p50_s": statistics.median(regroup) if regroup else None,
+            "steps_per_s_no_faults": rate,
+            "kills": len(faults),
+            "recover_p50_s": statistics.median(secs),
+            "recover_p95_s": _percentile(secs, 0.95),
+            "retrained_mean": statistics.mean(f["retrained"] for f in faults),
+            "retrained_max": max(f["retrained"] for f in faults),
+            "goodput": goodput,
+            "goodput_steps": goodput_steps,
+            "kill_every_s": every,
+            "join_s": t_join,
+            "join": join,
+            "faults": faults,
+            "regrouped": sum(e["reason"] == "regrouped" for e in events),
+        }
 
 
 def main() -> None:
