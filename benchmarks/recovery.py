@@ -153,9 +153,10 @@ class _JoinWatch:
 
 def _join_breakdown(
     events: list[dict[str, Any]], joined_at: float, t_node: float, t_join: float
-) -> dict[str, float | None]:
+) -> dict[str, Any]:
     """Where a join's seconds go, from the node's ``add_node``: the node alive in Ray,
-    the supervisor growing (its newcomer's actor is up), the re-formed group's event,
+    the supervisor growing (its newcomer's actor is up), the re-formed group's event
+    (its phases, and where the newcomer's start went: ``ray_group.start_figures``),
     and its first step. ``from_node_s``: the same join counted from the node alive."""
     grew = [
         _age(e["time"], joined_at)
@@ -163,12 +164,13 @@ def _join_breakdown(
         if e["reason"] == "capacity_returned" and _age(e["time"], joined_at) > 0
     ]
     formed = [
-        (_age(e["time"], joined_at), e.get("seconds"), e.get("phases"))
+        (_age(e["time"], joined_at), e.get("seconds"), e.get("phases"), e.get("newcomers"))
         for e in events
         if e["reason"] == "regrouped" and _age(e["time"], joined_at) > 0
     ]
     return {
         "phases": formed[-1][2] if formed else None,
+        "newcomers": formed[-1][3] if formed else None,
         "node_alive_s": t_node,
         "growing_s": grew[0] if grew else None,
         "regrouped_s": formed[-1][0] if formed else None,

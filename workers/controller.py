@@ -533,11 +533,13 @@ class JobController:
             from_peers=not first.fallback,
             seconds=seconds,
             **_slowest_phases(setups),
+            newcomers=group.newcomer_starts,
             ranks=[
                 {"rank": r, "node": f"{a['ip']}/{a['node_id'][:8]}", "gpus": a["gpus"]}
                 for r, a in enumerate(group.addresses)
             ],
         )
+        group.newcomer_starts = []
         mp = spec.resources.mp
         return Running(group=group, step=first.start_step, message=f"dp {group.dp} × mp {mp}")
 

@@ -14,6 +14,7 @@ import gc
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,9 @@ from .flops import flops_per_token, peak_tflops
 from .messages import RankChunk, RankIdle, RankProgress, RankSaved, RankSetup
 from .metrics import RankMetrics
 from .spec import JobSpec
+
+IMPORTED_AT = time.time()
+"""When this module (torch, the engine and the job's code with it) was imported."""
 
 START_UP_TAGS = ("init", "state", "load", "order", "redundancy")
 """Collectives of start-up, checkpoints, the one-time launch-order agreement and the
@@ -69,6 +73,17 @@ class Laps:
         now = time.monotonic()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
         self._last = now
+
+
+def process_started_at() -> float | None:
+    """The wall-clock time this process started (Linux; None elsewhere), to 10 ms: how
+    long a new rank actor waited for its process before its imports began."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age
 
 
 def _warm_up() -> None:
@@ -113,7 +128,16 @@ class RankWorker:
         """This rank's DP and MP groups (``_join``)."""
         self._left: list[tuple[float, Any]] = []
         """Groups left, kept until their timeout has passed (see ``_leave``)."""
+        warming = time.time()
         _warm_up()
+        self.started = {
+            "process": process_started_at(),
+            "imported": IMPORTED_AT,
+            "warming": warming,
+            "up": time.time(),
+        }
+        """Wall-clock times of this actor's start: its process, its module imported,
+        its warm-up begun and its constructor done (``address`` hands them on)."""
         # The objects of start-up (torch's and Ray's modules: about 285,000) live as
         # long as the process: frozen, the cyclic collector no longer walks them, and
         # the full collection that frees a dropped engine takes milliseconds, not 0.1 s.
@@ -129,6 +153,7 @@ class RankWorker:
             "node_id": ctx.get_node_id(),
             "pid": os.getpid(),
             "gpus": ray.get_gpu_ids(),
+            "started": self.started,
         }
 
     def open_rendezvous(self, host: str) -> int:

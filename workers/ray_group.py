@@ -113,6 +113,30 @@ def whole_replicas(seats: list[Seat], mp: int) -> list[list[Seat]]:
     return [group[:mp] for group in by_bundle.values() if len(group) >= mp]
 
 
+def start_figures(created: float, address: dict[str, Any], seated: float) -> dict[str, float]:
+    """Where a newcomer's start went, in seconds, from the wall-clock times its actor
+    reports (``RankWorker.started``; on another node, that node's clock):
+
+    - ``process``: from the actor's creation to its worker process starting (Ray placing
+      it and starting a worker; 0 when Ray reused a worker already running);
+    - ``imports``: to the actor's module imported (torch, the engine, the job's code);
+    - ``constructor``: to its constructor done (torch's warm-up among it);
+    - ``idle``: from then until the group seated it (its next step boundary).
+    """
+    started = address.get("started") or {}
+    imported, up = started.get("imported"), started.get("up")
+    if imported is None or up is None:
+        return {}
+    process = max(created, started.get("process") or created)
+    figures = {
+        "process": process - created,
+        "imports": imported - process,
+        "constructor": up - imported,
+        "idle": seated - up,
+    }
+    return {k: round(max(0.0, v), 3) for k, v in figures.items()}
+
+
 class RayWorkerGroup:
     """One attempt's rank actors. See workers/worker_group.py for the interface.
 
@@ -126,8 +150,11 @@ class RayWorkerGroup:
         self.placements = [placement]
         self.seats = [Seat(placement, r // mp) for r in range(len(actors))]
         self.vacant: list[Seat] = []
-        self.spares: dict[Seat, tuple[Any, Any]] = {}
-        """Newcomers started on vacant seats: (actor, its address() call)."""
+        self.spares: dict[Seat, tuple[Any, Any, float]] = {}
+        """Newcomers started on vacant seats: (actor, its address() call, when created)."""
+        self.newcomer_starts: list[dict[str, Any]] = []
+        """Where each newcomer seated since the last regroup spent its start (rank and
+        ``start_figures``), for the regroup's event."""
         self.start_actor: Callable[[Seat], Any] | None = None
         """Starts a newcomer's actor on a seat (set by the pool)."""
         self.dp, self.world = placement.dp, len(actors)
@@ -213,7 +240,7 @@ class RayWorkerGroup:
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        for actor, _ in self.spares.values():
+        for actor, _, _ in self.spares.values():
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         self.spares.clear()
@@ -258,14 +285,14 @@ class RayWorkerGroup:
         for seat in self.usable_vacancies():
             if seat not in self.spares and self.start_actor is not None:
                 actor = self.start_actor(seat)
-                self.spares[seat] = (actor, actor.address.remote())
+                self.spares[seat] = (actor, actor.address.remote(), time.time())
         return len(self._ready_replicas())
 
     def _ready_replicas(self) -> list[list[Seat]]:
         """The seats of each vacant bundle whose ``mp`` newcomers are up (a newcomer
         that died starting is let go: its seat is tried again later)."""
         ready: list[Seat] = []
-        for seat, (actor, ref) in list(self.spares.items()):
+        for seat, (actor, ref, _) in list(self.spares.items()):
             done, _ = ray.wait([ref], timeout=0)
             if not done:
                 continue
@@ -284,9 +311,9 @@ class RayWorkerGroup:
         replicas = self._ready_replicas()[:count]
         for seats in replicas:
             for seat in seats:
-                actor, ref = self.spares.pop(seat)
+                actor, ref, created = self.spares.pop(seat)
                 self.vacant.remove(seat)
-                self.add(actor, seat, ray.get(ref))
+                self.add(actor, seat, ray.get(ref), created)
         return len(replicas)
 
     def usable_vacancies(self) -> list[Seat]:
@@ -304,7 +331,10 @@ class RayWorkerGroup:
                 out.append(seat)
         return out
 
-    def add(self, actor: Any, seat: Seat, address: dict[str, Any]) -> None:
+    def add(self, actor: Any, seat: Seat, address: dict[str, Any], created: float) -> None:
+        """Seat a newcomer (its actor created at ``created``, wall clock)."""
+        figures = start_figures(created, address, time.time())
+        self.newcomer_starts.append({"rank": len(self.actors), **figures})
         self.actors.append(actor)
         self.seats.append(seat)
         self.addresses.append(address)
@@ -492,6 +522,7 @@ class RayWorkerPool:
                 replicas += fresh
         for seats in replicas:
             ranks = range(group.world, group.world + mp)
+            created = time.time()
             actors = [
                 self._actor(seat, rank_name(self.job_id, attempt, rank, 0), rank)
                 for seat, rank in zip(seats, ranks, strict=True)
@@ -505,7 +536,7 @@ class RayWorkerPool:
                 continue
             for seat, actor, address in zip(seats, actors, addresses, strict=True):
                 group.vacant.remove(seat)
-                group.add(actor, seat, address)
+                group.add(actor, seat, address, created)
             added += 1
         return added
 

@@ -55,7 +55,10 @@ class WorkerGroup(Protocol):
     world: int
     setups: list[RankSetup]
     addresses: list[dict[str, Any]]
-    """Per rank: ip, node_id, pid, gpus."""
+    """Per rank: ip, node_id, pid, gpus (and, from a rank actor, ``started``)."""
+    newcomer_starts: list[dict[str, Any]]
+    """Each newcomer seated since the last regroup: its rank and where its start went
+    (``ray_group.start_figures``; only the rank in process). The controller empties it."""
 
     def begin(self, method: str, *args: Any) -> None:
         """Start ``method(*args)`` on every rank (the previous call must be over)."""
@@ -155,6 +158,7 @@ class InProcessGroup:
         self._asks = ThreadPoolExecutor(self.world, thread_name_prefix="rank-ask")
         self.extra: list[LocalPlacement] = []
         """Placements taken to grow."""
+        self.newcomer_starts: list[dict[str, Any]] = []
         self._asking: dict[int, Future] = {}
         """Per rank, the progress question still unanswered: a frozen rank is asked once."""
         self._pending: dict[Future, int] = {}
@@ -340,6 +344,7 @@ class InProcessPool:
             world = group.world + added * self.mp
             new = [self.make_rank(r, world, self.attempts) for r in range(group.world, world)]
             group.ranks += new
+            group.newcomer_starts += [{"rank": r} for r in range(group.world, world)]
             group.addresses += [
                 {"ip": "127.0.0.1", "node_id": f"local{r // self.mp:04d}", "pid": 0, "gpus": []}
                 for r in range(group.world, world)

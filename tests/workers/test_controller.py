@@ -416,6 +416,8 @@ def test_a_lost_rank_is_replaced_at_the_next_step_boundary():
     # Where each re-forming's time went: the slowest rank's phases.
     assert shrunk["slowest_rank"] == 0 and shrunk["phases"] == {"rendezvous": 0.1, "restore": 0.2}
     assert grown["slowest_rank"] == 1 and grown["phases"] == {"rendezvous": 0.2, "restore": 0.2}
+    # And, for a grow, where each newcomer's start went (in process: only its rank).
+    assert shrunk["newcomers"] == [] and grown["newcomers"] == [{"rank": 1}]
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED
     assert sorted(ctl.record.losses) == list(range(1, 13))

@@ -71,6 +71,15 @@ def test_live_resizes_keep_the_ranks_and_read_no_checkpoint(variant):
     assert len(regrouped) == 4 and all(e["from_peers"] for e in regrouped), regrouped
     resizes = [e["reason"] for e in log if e["kind"] == "resize"]
     assert resizes == ["shrunk", "grown", "shrunk", "grown"]
+    # Each grow says where its newcomers' start went (ray_group.start_figures).
+    mp = 2 if variant == "mp" else 1
+    for event, grew in zip(regrouped, [False, True, False, True], strict=True):
+        starts = event["newcomers"]
+        assert [s["rank"] for s in starts] == list(range(mp, 2 * mp) if grew else []), event
+        for figures in starts:
+            assert set(figures) == {"rank", "process", "imports", "constructor", "idle"}
+            assert figures["imports"] > 0 and figures["constructor"] > 0, figures
+            assert min(figures.values()) >= 0, figures
     assert [e["reason"] for e in log if e["kind"] == "restart"] == ["worker_lost"] * 2
     losses = result["losses"]
     assert losses == list(range(1, max(losses) + 1))  # no step missing
