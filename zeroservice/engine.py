@@ -28,7 +28,7 @@ from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .gather import ParamGatherer
 from .gather_check import GatherCheck
 from .host_memory import HostTrim
-from .interrupt import Interrupt
+from .interrupt import Interrupt, stop_forwards
 from .memory import (
     MemoryLedger,
     allocator_stats,
@@ -306,6 +306,9 @@ class Engine:
             self.host_copies = HostCopies(config.redundancy_interval, self.comm)
         self._saves = 0
         self._pending_save: SaveHandle | None = None
+        self._forward_stops = stop_forwards(module, self._interrupt)
+        """An interrupted forward ends at the next module (see [Note: a forward given up]
+        in interrupt.py)."""
 
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -729,6 +732,9 @@ class Engine:
         if not self._interrupt.fired:
             self.wait_for_save()
         self.reducer.remove_hooks()
+        for handle in self._forward_stops:
+            handle.remove()
+        self._forward_stops.clear()
         if self._checkpointer is not None:
             self._checkpointer.remove()
         if self.gatherer is not None:
