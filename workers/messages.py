@@ -74,8 +74,10 @@ class RankSetup:
     """Set by a live resize that could not restore from the peers' memory: why, and so
     ``loaded`` is the checkpoint it loaded instead."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds of the setup or re-forming by phase, in order (snapshot, leave,
-    rendezvous, build, load or restore, ready): where a resize's time went."""
+    """Seconds of the setup or re-forming by phase, in order (settle, snapshot, leave,
+    rendezvous, build, load or restore, ready): where a resize's time went. ``settle``:
+    a survivor's, from the interrupt until its re-forming began (its call in flight, a
+    step or a save, ending; then the supervisor's calls)."""
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,9 @@ class RankWorker:
         """This rank's DP and MP groups (``_join``)."""
         self._left: list[tuple[float, Any]] = []
         """Groups left, kept until their timeout has passed (see ``_leave``)."""
+        self._interrupted_at: float | None = None
+        """When the last ``interrupt`` came: the next regroup's ``settle`` phase runs
+        from then until it begins (the call in flight, a step or a save, ending)."""
         warming = time.time()
         _warm_up()
         self.started = {
@@ -233,6 +236,9 @@ class RankWorker:
             self._phase = RankPhase.BOOTSTRAP
             self._membership = None  # until the re-formed group is ready
             laps, held = Laps(), None
+            if self._interrupted_at is not None:
+                laps.seconds["settle"] = time.monotonic() - self._interrupted_at
+                self._interrupted_at = None
             if self.engine is not None:
                 if grow:  # lent, not copied: this engine is dropped below
                     held = self.engine.snapshot_now(lend=True)
@@ -657,6 +663,7 @@ class RankWorker:
         actor); that call then raises at its next or current wait instead of waiting for
         the group's timeout. See [Note: interrupting a collective] in
         zeroservice/interrupt.py. Its engine is only closed afterwards (``regroup``)."""
+        self._interrupted_at = time.monotonic()
         engine = self.engine
         if engine is not None:
             engine.interrupt(f"rank(s) {lost} lost")

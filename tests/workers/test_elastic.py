@@ -74,6 +74,9 @@ def test_live_resizes_keep_the_ranks_and_read_no_checkpoint(variant):
     # Each grow says where its newcomers' start went (ray_group.start_figures).
     mp = 2 if variant == "mp" else 1
     for event, grew in zip(regrouped, [False, True, False, True], strict=True):
+        # A shrink's survivors were interrupted: how long their failed call took to end.
+        assert ("settle" in event["phases"]) == (not grew), event
+        assert event["phases"].get("settle", 0) < 10, event  # SETTLE_S, or a restart
         starts = event["newcomers"]
         assert [s["rank"] for s in starts] == list(range(mp, 2 * mp) if grew else []), event
         for figures in starts:
