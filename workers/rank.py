@@ -35,7 +35,7 @@ from .metrics import RankMetrics
 from .spec import JobSpec
 
 IMPORTED_AT = time.time()
-"""When this module (torch, the engine and the job's code with it) was imported."""
+"""When this module (torch, the engine and the models with it) was imported."""
 
 START_UP_TAGS = ("init", "state", "load", "order", "redundancy")
 """Collectives of start-up, checkpoints, the one-time launch-order agreement and the
@@ -131,16 +131,10 @@ class RankWorker:
         self._interrupted_at: float | None = None
         """When the last ``interrupt`` came: the next regroup's ``settle`` phase runs
         from then until it begins (the call in flight, a step or a save, ending)."""
-        warming = time.time()
         _warm_up()
-        self.started = {
-            "process": process_started_at(),
-            "imported": IMPORTED_AT,
-            "warming": warming,
-            "up": time.time(),
-        }
-        """Wall-clock times of this actor's start: its process, its module imported,
-        its warm-up begun and its constructor done (``address`` hands them on)."""
+        self.started = {"process": process_started_at(), "imported": IMPORTED_AT, "up": time.time()}
+        """Wall-clock times of this actor's start: its process, its module imported and
+        its constructor done (``address`` hands them on)."""
         # The objects of start-up (torch's and Ray's modules: about 285,000) live as
         # long as the process: frozen, the cyclic collector no longer walks them, and
         # the full collection that frees a dropped engine takes milliseconds, not 0.1 s.

@@ -26,10 +26,11 @@ closed. On NCCL ``work.wait()`` does not block the host, and nothing is moved of
 A wait is where a rank learns that its peer is gone, and at stages 0-2 a forward has
 no collective: a survivor interrupted early in a forward computed the rest of it, and
 the backward up to its first reduction, for a step that will never be taken, before its
-call ended and the group could re-form. On the 267 M GPT at stage 2 that was 1.1-1.6 s
-of a lost rank's recovery. So an engine also checks its interrupt before the forward
-of every module that holds parameters (``stop_forwards``): an interrupted forward (or a
-recomputation in backward) raises CommInterrupted at the next such module.
+call ended and the group could re-form: on a large model, up to a forward's length
+(the 267 M GPT's forward and backward take about 2 s on a 2-core CPU). So an engine
+also checks its interrupt before the forward of every module that holds parameters
+(``stop_forwards``): an interrupted forward (or a recomputation in backward) raises
+CommInterrupted at the next such module.
 """
 
 from __future__ import annotations

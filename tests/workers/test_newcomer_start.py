@@ -12,7 +12,7 @@ from workers.ray_group import start_figures
 
 
 def test_start_figures_split_the_time_from_creation_to_seat():
-    started = {"process": 101.5, "imported": 103.0, "warming": 103.2, "up": 104.25}
+    started = {"process": 101.5, "imported": 103.0, "up": 104.25}
     figures = start_figures(100.0, {"started": started}, 105.0)
     assert figures == {"process": 1.5, "imports": 1.5, "constructor": 1.25, "idle": 0.75}
     assert sum(figures.values()) == 5.0  # creation to seat, every second in one figure
@@ -21,7 +21,7 @@ def test_start_figures_split_the_time_from_creation_to_seat():
 def test_a_worker_process_started_before_the_actor_counts_no_process_time():
     # Ray may hand the actor a worker it had already started: its imports begin at the
     # actor's creation, not at the process's start.
-    started = {"process": 90.0, "imported": 101.0, "warming": 101.1, "up": 102.0}
+    started = {"process": 90.0, "imported": 101.0, "up": 102.0}
     figures = start_figures(100.0, {"started": started}, 102.0)
     assert figures == {"process": 0.0, "imports": 1.0, "constructor": 1.0, "idle": 0.0}
     # Not on Linux, no process time: the same.
