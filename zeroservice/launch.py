@@ -50,6 +50,8 @@ def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env) -> Non
         )
         result = fn(*args)
         torch.save(result, Path(outdir) / f"{rank}.pt")
+        if rank == 0:
+            _outlive_peers(Path(outdir), world, timeout_s)
     except BaseException:
         (Path(outdir) / f"{rank}.err").write_text(traceback.format_exc())
         raise
@@ -60,6 +62,24 @@ def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env) -> Non
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _outlive_peers(outdir: Path, world: int, timeout_s: float) -> None:
+    """Rank 0 hosts the group's store: it leaves only once every other rank has written
+    its result or its error. A peer still forming a group without rank 0
+    (``dist.new_group`` exchanges addresses through the store) would otherwise lose the
+    store and fail with "Connection reset by peer". A peer that dies without a word
+    ends the whole run (``_join``), this wait with it."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(1, world))
+    while pending and time.monotonic() < deadline:
+        pending = {
+            r
+            for r in pending
+            if not ((outdir / f"{r}.pt").exists() or (outdir / f"{r}.err").exists())
+        }
+        if pending:
+            time.sleep(0.01)
 
 
 def run_local(
