@@ -119,7 +119,7 @@ def start_figures(created: float, address: dict[str, Any], seated: float) -> dic
 
     - ``process``: from the actor's creation to its worker process starting (Ray placing
       it and starting a worker; 0 when Ray reused a worker already running);
-    - ``imports``: to the actor's module imported (torch, the engine, the job's code);
+    - ``imports``: to the actor's module imported (torch, the engine, the models);
     - ``constructor``: to its constructor done (torch's warm-up among it);
     - ``idle``: from then until the group seated it (its next step boundary).
     """
