@@ -48,6 +48,11 @@ from .interrupt import Interrupt
 from .ring import RingComm
 from .shm import SharedMemoryComm
 
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""The flat-tensor collectives; torch before 2.13 names them ``reduce_scatter_tensor``
+and ``all_gather_into_tensor`` (the GPU images that ship an older torch)."""
+
 SMALL_ELEMENTS = 2**14
 """With ``collectives="shm"``, an all-reduce of fewer elements stays on the backend:
 two barriers would cost more than the bytes."""
@@ -238,6 +243,7 @@ class Communicator:
     ``impl="shm"``, through shared memory (all-reduce too), for a group on one host
     (see shm.py). The ledger names the implementation of each entry. ``ring_chunk``
     caps the ring's receive scratch (see RingComm) and sizes the shared segments.
+    ``device_type``: where the tensors live; GPU tensors on gloo take its native ops.
     With ``interrupt`` (engines pass theirs) every wait on gloo can be given up from
     another thread (see [Note: interrupting a collective] in
     interrupt.py); without, native ops are waited for on the caller's thread, which
@@ -252,14 +258,19 @@ class Communicator:
         ring_chunk: int | None = None,
         nodes: Sequence[int] | None = None,
         interrupt: Interrupt | None = None,
+        device_type: str = "cpu",
     ):
         self.group, self.ledger = group, ledger
         self.interrupt = interrupt
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
-        check_collectives(impl, self.backend)
-        use_ring = impl == "ring" or (impl == "auto" and self.backend == "gloo")
+        check_collectives(impl, self.backend, device_type)
+        # gloo's point-to-point sends read host memory: GPU tensors take its native ops,
+        # which stage them through the host.
+        self.device_type = device_type
+        on_host = device_type == "cpu"
+        use_ring = impl == "ring" or (impl == "auto" and self.backend == "gloo" and on_host)
         self.ring = RingComm(group, ring_chunk) if use_ring and self.world > 1 else None
         self.shm = SharedMemoryComm(group, ring_chunk) if impl == "shm" and self.world > 1 else None
         self.nodes = list(nodes) if nodes is not None else [0] * self.world
@@ -351,10 +362,10 @@ class Communicator:
             return self._pending(self._job(future), "reduce_scatter", tag, buffer, "ring")
         out = self.chunk(buffer)
         if self.backend == "nccl":  # NCCL reduces in place when out is chunk `rank`.
-            work = dist.reduce_scatter_single(out, buffer, group=self.group, async_op=True)
+            work = _reduce_scatter_single(out, buffer, group=self.group, async_op=True)
             return self._pending(self._native(work), "reduce_scatter", tag, buffer)
         tmp = torch.empty_like(out)
-        work = dist.reduce_scatter_single(tmp, buffer, group=self.group, async_op=True)
+        work = _reduce_scatter_single(tmp, buffer, group=self.group, async_op=True)
 
         done = self._native(work)
 
@@ -372,7 +383,7 @@ class Communicator:
         if self.ring is not None:
             future = self.ring.all_gather(buffer)
             return self._pending(self._job(future), "all_gather", tag, buffer, "ring")
-        work = dist.all_gather_single(buffer, self.chunk(buffer), group=self.group, async_op=True)
+        work = _all_gather_single(buffer, self.chunk(buffer), group=self.group, async_op=True)
         return self._pending(self._native(work), "all_gather", tag, buffer)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, tag: str) -> Pending:

@@ -37,8 +37,8 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
-def check_collectives(collectives: str, backend: str) -> None:
-    """Refuse ``collectives="ring"`` and ``"shm"`` on NCCL.
+def check_collectives(collectives: str, backend: str, device_type: str = "cpu") -> None:
+    """Refuse ``collectives="ring"`` and ``"shm"`` on NCCL, and for GPU tensors.
 
     The ring runs point-to-point sends on a background thread beside the main stream;
     on NCCL that thread's kernels race the compute stream and the backend's own
@@ -56,6 +56,12 @@ def check_collectives(collectives: str, backend: str) -> None:
         "collectives",
         "'shm' is refused on the nccl backend (shared memory holds host tensors, NCCL's "
         "are on the GPU); use 'auto' or 'native'",
+    )
+    _require(
+        not (collectives in ("ring", "shm") and device_type != "cpu"),
+        "collectives",
+        f"{collectives!r} is refused for a model on {device_type} (the ring's point-to-point "
+        "sends on gloo and the shared segments take host memory); use 'auto' or 'native'",
     )
 
 

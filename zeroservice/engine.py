@@ -129,6 +129,7 @@ class Engine:
             ring_chunk=block // self.dp_world,
             nodes=[node_of(r, rpn) for r in range(self.dp_world)],
             interrupt=self._interrupt,
+            device_type=construct.engine_device(module, group).type,
         )
         self.mp_group = mp_group
         self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
@@ -343,7 +344,12 @@ class Engine:
                 f"parallelism (mp = {self.mp_size})"
             )
         return build_node_groups(
-            self.group, cfg.ranks_per_node, self.ledger, cfg.collectives, self._interrupt
+            self.group,
+            cfg.ranks_per_node,
+            self.ledger,
+            cfg.collectives,
+            self._interrupt,
+            self.comm.device_type,
         )
 
     def _broadcast_buffers(self) -> None:

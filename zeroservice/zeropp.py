@@ -191,6 +191,7 @@ def build_node_groups(
     ledger: comm.CommLedger,
     impl: str,
     interrupt: Interrupt | None = None,
+    device_type: str = "cpu",
 ) -> NodeGroups:
     """Every rank of the default group must call this (``dist.new_group`` is collective).
 
@@ -216,12 +217,14 @@ def build_node_groups(
         g = dist.new_group(members)
         if i == me % ranks_per_node:
             cross_group = g
-    local = comm.Communicator(
-        local_group, ledger, impl, nodes=[0] * ranks_per_node, interrupt=interrupt
-    )
-    cross = comm.Communicator(
-        cross_group, ledger, impl, nodes=list(range(nodes)), interrupt=interrupt
-    )
+
+    def communicator(g, members_nodes: list[int]) -> comm.Communicator:
+        return comm.Communicator(
+            g, ledger, impl, nodes=members_nodes, interrupt=interrupt, device_type=device_type
+        )
+
+    local = communicator(local_group, [0] * ranks_per_node)
+    cross = communicator(cross_group, list(range(nodes)))
     return NodeGroups(local, cross)
 
 

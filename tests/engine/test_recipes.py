@@ -38,6 +38,30 @@ def test_other_collectives_accepted(impl, backend):
     check_collectives(impl, backend)
 
 
+@pytest.mark.parametrize("impl", ["ring", "shm"])
+def test_host_only_collectives_refused_for_gpu_tensors_by_name(impl):
+    """gloo's point-to-point sends and the shared segments read host memory only."""
+    with pytest.raises(
+        ConfigError, match=rf"^collectives: '{impl}' is refused for a model on cuda"
+    ):
+        check_collectives(impl, "gloo", "cuda")
+    check_collectives(impl, "gloo", "cpu")
+
+
+def _ring_for(device_type: str) -> bool:
+    from zeroservice.comm import CommLedger, Communicator
+
+    communicator = Communicator(None, CommLedger(), "auto", device_type=device_type)
+    ring = communicator.ring is not None
+    communicator.close()
+    return ring
+
+
+def test_auto_takes_the_ring_on_gloo_for_host_tensors_only():
+    assert run_local(_ring_for, 2, "cpu") == [True, True]
+    assert run_local(_ring_for, 2, "cuda") == [False, False]
+
+
 def _start_pair(*extra: str) -> list[subprocess.Popen]:
     """The two ranks of one job of exit_script.py."""
     port = str(free_port())
