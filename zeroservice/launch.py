@@ -1,4 +1,5 @@
-"""Run a function on N local processes joined by torch.distributed (gloo, loopback).
+"""Run a function on N local processes joined by torch.distributed (gloo, loopback; or
+NCCL, one GPU per rank).
 
 Tests, benchmarks and the engine demo share it; a cluster uses torchrun or Ray instead.
 """
@@ -27,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env) -> None:
+def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env, backend) -> None:
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # What torchrun would set, for libraries that read it.
@@ -41,8 +42,10 @@ def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env) -> Non
     )
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -89,21 +92,38 @@ def run_local(
     threads: int = 1,
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` processes; return each rank's result.
+
+    ``backend``: "gloo" (CPU tensors, and GPU tensors staged through the host) or
+    "nccl" (rank r on GPU r modulo the GPUs there are; NCCL refuses two ranks on one).
 
     ``fn`` must be importable (a module-level function). A rank that raises fails
     the whole call with that rank's traceback; a run past ``timeout_s`` is killed.
     """
     if world_size < 1:
         raise ValueError(f"world_size: must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: {backend!r} is not 'gloo' or 'nccl'")
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="zeroservice-run-") as outdir:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, fn, args, outdir, threads, timeout_s, env or {}),
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    fn,
+                    args,
+                    outdir,
+                    threads,
+                    timeout_s,
+                    env or {},
+                    backend,
+                ),
                 daemon=False,
             )
             for r in range(world_size)
