@@ -84,7 +84,7 @@ def load_and_continue(spec: Spec, path: str, steps: int, resave: str | None = No
     engine = engine_for(spec)
     result = engine.load_checkpoint(path)
     if resave:
-        engine.save_checkpoint(resave)
+        engine.save_checkpoint(resave, client_state=result.client_state)
     start = result.client_state["next_step"]
     losses = _train(engine, spec, range(start, start + steps))
     x, y = _batches(spec, 0)[0]

@@ -39,6 +39,16 @@ from zeroservice import comm
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.flat import FlatUnit
 
+DEVICE_ENV = "ZEROSERVICE_TEST_DEVICE"
+
+
+def device() -> torch.device:
+    """Where the scenarios' models and batches live: the CPU, or with
+    ``ZEROSERVICE_TEST_DEVICE=cuda`` (tests/gpu) this process's GPU. Read at each call:
+    a spawned rank imports this module before its environment is set."""
+    return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
+
+
 RTOL = 1e-5
 GRAD_ATOL_REL = 1e-5
 """Of the tensor's largest |gradient|: see [Note: what parity compares]."""
@@ -50,8 +60,20 @@ LossFn = Callable[[Callable, Batch], torch.Tensor]
 OptimizerFactory = Callable[[object], torch.optim.Optimizer]
 
 
+def on_device(module: nn.Module) -> nn.Module:
+    """``module`` on the scenarios' device (see ``device``)."""
+    return module.to(device())
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a collective's tensor must be: NCCL takes only GPU tensors."""
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def mean_over_ranks(value: float, group=None) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
 
@@ -62,7 +84,10 @@ def token_batches(vocab: int, seq: int, seed: int, batch: int = 2):
 
     def batches(step: int, accum: int) -> list[Batch]:
         rank, world = dist.get_rank(), dist.get_world_size()
-        return [micro_batch(data, step, m, batch, rank, world, accum) for m in range(accum)]
+        return [
+            tuple(t.to(device()) for t in micro_batch(data, step, m, batch, rank, world, accum))
+            for m in range(accum)
+        ]
 
     return batches
 
@@ -114,7 +139,9 @@ def run_ddp(
         for m, batch in enumerate(batches(step, accum)):
             ctx = ddp.no_sync() if m < accum - 1 else contextlib.nullcontext()
             with ctx:
-                with torch.autocast("cpu", autocast or torch.bfloat16, enabled=bool(autocast)):
+                with torch.autocast(
+                    device().type, autocast or torch.bfloat16, enabled=bool(autocast)
+                ):
                     loss = loss_fn(ddp, batch)
                 scaled = loss / accum
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -184,7 +211,7 @@ def _named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _float_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in state.items()}
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
 
 
 def _worst(got: torch.Tensor, ref: torch.Tensor, scale: float, atol_rel: float) -> float:
@@ -219,7 +246,8 @@ def gradient_ratio(engine, ref_grads: dict[str, torch.Tensor]) -> float:
         for names, start, values in unit_gradient_slices(engine, unit, shard):
             ref = next((ref_grads[n] for n in names if n in ref_grads), None)
             if ref is None:
-                ref = torch.zeros(start + values.numel())  # DDP saw no gradient
+                # DDP saw no gradient
+                ref = torch.zeros(start + values.numel(), device=values.device)
             flat = ref.reshape(-1)[start : start + values.numel()]
             scale = float(ref.abs().max()) if ref.numel() else 0.0
             worst = max(worst, _worst(values.float() / divisor, flat, scale, GRAD_ATOL_REL))
@@ -235,11 +263,11 @@ def master_drift(
     engine that never updated gives 1 and 0)."""
     off = moved = update = 0.0
     for unit, master in zip(engine.trainable_units, engine.optimizer.masters, strict=True):
-        for names, start, values in unit_gradient_slices(engine, unit, master.detach()):
+        for names, start, values in unit_gradient_slices(engine, unit, master.detach().cpu()):
             name = next(n for n in names if n in reference)
             n = values.numel()
-            ref = reference[name].reshape(-1)[start : start + n]
-            init = initial[name].reshape(-1)[start : start + n]
+            ref = reference[name].reshape(-1)[start : start + n].cpu()
+            init = initial[name].reshape(-1)[start : start + n].cpu()
             off += float((values - ref).square().sum())
             moved += float((values - init).square().sum())
             update += float((ref - init).square().sum())

@@ -54,7 +54,9 @@ SGD_LR = 0.05
 
 def _model(spec: Spec) -> GPT:
     torch.manual_seed(1234)
-    return GPT(GPTConfig(**TINY, tie_weights=spec.tie, vocab_tiles=spec.vocab_tiles))
+    return harness.on_device(
+        GPT(GPTConfig(**TINY, tie_weights=spec.tie, vocab_tiles=spec.vocab_tiles))
+    )
 
 
 def _adamw(spec: Spec):
@@ -163,7 +165,9 @@ def mixed_precision_parity(spec: Spec, initial_scale: float = 2.0**10) -> dict:
     fp16 = spec.precision == "fp16"
     growth = 4
     scaler = (
-        torch.amp.GradScaler("cpu", init_scale=initial_scale, growth_interval=growth)
+        torch.amp.GradScaler(
+            harness.device().type, init_scale=initial_scale, growth_interval=growth
+        )
         if fp16
         else None
     )
@@ -263,7 +267,8 @@ def _gather_counts(engine) -> dict:
 
 
 def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:
-    """Rank 1 alone produces an inf gradient at ``bad_step``: every rank must skip it."""
+    """The last rank alone produces an inf gradient at ``bad_step``: every rank must skip
+    it (at N_d = 1 that rank is the only one)."""
     spec = Spec(stage=2, precision="fp16", steps=steps)
     config = ZeroConfig(
         stage=2,
@@ -276,7 +281,7 @@ def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:
     for step in range(steps):
         ((x, y),) = _batches(spec, step)
         loss = engine(x, y)
-        if step == bad_step and dist.get_rank() == 1:
+        if step == bad_step and dist.get_rank() == dist.get_world_size() - 1:
             loss = loss * math.inf
         engine.backward(loss)
         report = engine.step()

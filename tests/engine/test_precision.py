@@ -70,8 +70,11 @@ def test_bf16_follows_ddp_under_autocast(stage, reduce_dtype):
 
 @pytest.mark.parametrize("stage,scale", FP16_CASES)
 def test_fp16_follows_ddp_with_grad_scaler(stage, scale):
+    assert_fp16_follows_ddp(_per_rank(1, FP16_CASES.index((stage, scale))), scale)
+
+
+def assert_fp16_follows_ddp(per_rank: list[dict], scale: str) -> None:
     """Dynamic loss scaling skips exactly the steps GradScaler skips."""
-    per_rank = _per_rank(1, FP16_CASES.index((stage, scale)))
     _assert_follows_ddp(per_rank, "fp16")
     for r in per_rank:
         assert r["skipped"] == r["ref_skipped"]
@@ -79,7 +82,11 @@ def test_fp16_follows_ddp_with_grad_scaler(stage, scale):
 
 
 def test_fp16_overflow_skips_on_every_rank_and_backs_off():
-    per_rank = [r[2] for r in _results()]
+    assert_overflow_skips([r[2] for r in _results()])
+
+
+def assert_overflow_skips(per_rank: list[dict]) -> None:
+    """The overflowed step is skipped on every rank, the scale halves, the weights stay."""
     bad = 3
     for r in per_rank:
         assert r["applied"] == [True, True, True, False, True, True]
