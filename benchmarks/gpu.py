@@ -230,11 +230,17 @@ def mfu_trial(system: str, checkpointing: bool, micro: int, steps: int) -> dict:
 
     seconds = _timed(step, 3, steps)
     tokens = micro * cfg.seq_len
-    flops = cfg.flops_per_token() * tokens / seconds
+    return _speed_row(
+        system, checkpointing, cfg.num_params(), micro, tokens, cfg.flops_per_token(), seconds
+    )
+
+
+def _speed_row(system, checkpointing, params, micro, tokens, flops_per_token, seconds) -> dict:
+    flops = flops_per_token * tokens / seconds
     return {
         "system": system,
         "checkpointing": checkpointing,
-        "params": cfg.num_params(),
+        "params": params,
         "micro_batch": micro,
         "step_s": seconds,
         "tokens_per_s": tokens / seconds,
@@ -301,20 +307,15 @@ def llama_trial(system: str, checkpointing: bool, micro: int, steps: int) -> dic
     matmul_params = _llama_params(cfg) - cfg.vocab_size * cfg.hidden_size
     attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
     flops_per_token = 6 * matmul_params + attention
-    tokens = micro * seq
-    flops = flops_per_token * tokens / seconds
-    return {
-        "system": f"llama-{system}",
-        "checkpointing": checkpointing,
-        "params": _llama_params(cfg),
-        "micro_batch": micro,
-        "step_s": seconds,
-        "tokens_per_s": tokens / seconds,
-        "tflops": flops / 1e12,
-        "mfu": flops / _peak_flops(),
-        "peak_allocated": torch.cuda.max_memory_allocated(),
-        "device": torch.cuda.get_device_name(),
-    }
+    return _speed_row(
+        f"llama-{system}",
+        checkpointing,
+        _llama_params(cfg),
+        micro,
+        micro * seq,
+        flops_per_token,
+        seconds,
+    )
 
 
 def _llama_params(cfg) -> int:
