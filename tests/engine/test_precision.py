@@ -30,7 +30,7 @@ BF16_CASES = [(s, "param") for s in (0, 1, 2, 3)] + [(s, "fp32") for s in (1, 2)
 FP16_CASES = [(s, name) for s in (2, 3) for name in FP16_SCALES]
 
 
-def _mixed_and_overflow():
+def mixed_and_overflow():
     bf16 = [
         mixed_precision_parity(Spec(stage=s, precision="bf16", reduce_dtype=r))
         for s, r in BF16_CASES
@@ -44,14 +44,14 @@ def _mixed_and_overflow():
 
 @functools.cache
 def _results():
-    return run_local(_mixed_and_overflow, 2)
+    return run_local(mixed_and_overflow, 2)
 
 
 def _per_rank(kind: int, index: int) -> list[dict]:
     return [r[kind][index] for r in _results()]
 
 
-def _assert_follows_ddp(per_rank: list[dict], precision: str) -> None:
+def assert_follows_ddp(per_rank: list[dict], precision: str) -> None:
     r = per_rank[0]
     torch.testing.assert_close(
         torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=LOSS_RTOL[precision], atol=0
@@ -64,7 +64,7 @@ def _assert_follows_ddp(per_rank: list[dict], precision: str) -> None:
 @pytest.mark.parametrize("stage,reduce_dtype", BF16_CASES)
 def test_bf16_follows_ddp_under_autocast(stage, reduce_dtype):
     per_rank = _per_rank(0, BF16_CASES.index((stage, reduce_dtype)))
-    _assert_follows_ddp(per_rank, "bf16")
+    assert_follows_ddp(per_rank, "bf16")
     assert per_rank[0]["losses"][-1] < per_rank[0]["losses"][0]
 
 
@@ -75,7 +75,7 @@ def test_fp16_follows_ddp_with_grad_scaler(stage, scale):
 
 def assert_fp16_follows_ddp(per_rank: list[dict], scale: str) -> None:
     """Dynamic loss scaling skips exactly the steps GradScaler skips."""
-    _assert_follows_ddp(per_rank, "fp16")
+    assert_follows_ddp(per_rank, "fp16")
     for r in per_rank:
         assert r["skipped"] == r["ref_skipped"]
     assert any(per_rank[0]["skipped"]) == (scale == "overflowing")

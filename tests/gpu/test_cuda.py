@@ -17,10 +17,10 @@ from tests.engine.scenarios import Spec
 from tests.engine.test_precision import (
     BF16_CASES,
     FP16_CASES,
-    _assert_follows_ddp,
-    _mixed_and_overflow,
+    assert_follows_ddp,
     assert_fp16_follows_ddp,
     assert_overflow_skips,
+    mixed_and_overflow,
 )
 from tests.gpu.cuda_scenarios import on_gpu, ring_refused
 from zeroservice.checkpoint import iter_tensors
@@ -71,10 +71,10 @@ def test_the_ring_is_refused_for_gpu_tensors():
 def test_bf16_and_fp16_follow_ddp_on_cuda(world, backend):
     """bf16 at stages 0-3 and fp16 with loss scaling (an overflowing scale among them)
     against DDP under CUDA autocast and GradScaler; an overflow skips the step."""
-    results = _run_on_gpu(_mixed_and_overflow, world, backend=backend)
+    results = _run_on_gpu(mixed_and_overflow, world, backend=backend)
     for i, case in enumerate(BF16_CASES):
         try:
-            _assert_follows_ddp([r[0][i] for r in results], "bf16")
+            assert_follows_ddp([r[0][i] for r in results], "bf16")
         except AssertionError as exc:
             raise AssertionError(f"bf16 {case}: {exc}") from exc
     for i, (stage, scale) in enumerate(FP16_CASES):
