@@ -4,7 +4,8 @@ against plain PyTorch, and the largest GPT that trains with its optimizer on the
 Every trial runs in a fresh process (one rank on NCCL, ``zeroservice.launch``), so
 that each one's CUDA allocator starts empty.
 
-* ``memory``: a ~1 B-parameter GPT at each stage (bf16, AdamW, N_d = 1): the ledger's
+* ``memory``: a ~1 B-parameter GPT at each stage (bf16, AdamW; N_d = 1 on NCCL, or with
+  ``--world 2`` two ranks sharing the GPU over gloo): the ledger's
   model states beside ``torch.cuda.memory_allocated`` after a step, and the planner's
   predicted peak (``zeroservice.peak``) beside ``max_memory_allocated``, both above the
   bytes allocated before the model was built; with activation checkpointing, the
@@ -13,8 +14,9 @@ that each one's CUDA allocator starts empty.
   not counted, against the chip's dense bf16 peak) of a 1.3 B GPT at sequence 2048,
   with and without activation checkpointing, beside plain PyTorch (fp32 weights under
   bf16 autocast and a fused AdamW: the usual mixed-precision recipe) on the same model.
-* ``offload``: GPTs of growing depth at dim 4096 with ``offload_optimizer``: the largest
-  that trains two steps, its step time and the share of it spent in the host step.
+* ``offload``: GPTs of growing depth at dim 4096 with ``offload_optimizer`` (the depths
+  given, until one fails): three steps each, the last one's time and the share of it
+  spent in the host optimizer step.
 
     python -m benchmarks.gpu memory mfu offload --out benchmarks/results
 
@@ -39,8 +41,9 @@ from zeroservice.launch import run_local
 from zeroservice.models import GPT, GPTConfig
 from zeroservice.peak import PeakConfig, predict_peak
 
-PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
-"""Dense bf16 FLOP/s of the SXM parts (vendor datasheet)."""
+PEAK_BF16 = {"H100 PCIe": 756.5e12, "H200 NVL": 835.6e12, "H100": 989.4e12, "H200": 989.4e12}
+"""Dense bf16 FLOP/s (vendor datasheets), by the first key the device's name contains: the
+PCIe parts first, then the SXM parts, which CUDA names plainly."""
 
 MEMORY_GPT = dict(vocab_size=32768, seq_len=2048, n_layer=20, n_head=16, dim=2048)
 MFU_GPT = dict(vocab_size=50304, seq_len=2048, n_layer=24, n_head=16, dim=2048)
