@@ -61,7 +61,10 @@ OptimizerFactory = Callable[[object], torch.optim.Optimizer]
 
 
 def on_device(module: nn.Module) -> nn.Module:
-    """``module`` on the scenarios' device (see ``device``)."""
+    """``module`` on the scenarios' device (see ``device``); a model built under
+    ``deferred_init`` (meta parameters) stays as it is: the engine places it."""
+    if any(p.is_meta for p in module.parameters()):
+        return module
     return module.to(device())
 
 
