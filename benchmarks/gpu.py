@@ -57,13 +57,18 @@ def _peak_flops() -> float:
     raise SystemExit(f"no dense bf16 peak known for {name!r}; add it to PEAK_BF16")
 
 
+def _adamw(params):
+    """The engine's optimizer in every trial (plain PyTorch's is the fused one)."""
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+
+
 def _engine(cfg: GPTConfig, config: dict):
     with zeroservice.deferred_init():
         model = GPT(cfg)
     return zeroservice.initialize(
         model,
         config,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1),
+        optimizer=_adamw,
         init=GPT.initializer(cfg),
     )
 
@@ -98,9 +103,7 @@ def memory_trial(stage: int, checkpointing: bool, contiguous: bool, micro: int) 
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = GPT(cfg)
-        engine = zeroservice.initialize(
-            model, config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1)
-        )
+        engine = zeroservice.initialize(model, config, optimizer=_adamw)
         del model
         gc.collect()
         torch.cuda.synchronize()
@@ -297,7 +300,7 @@ def llama_trial(system: str, checkpointing: bool, micro: int, steps: int) -> dic
                 "precision": "bf16",
                 "activation_checkpointing": checkpointing,
             },
-            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1),
+            optimizer=_adamw,
         )
 
         def step():

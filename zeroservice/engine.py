@@ -122,6 +122,8 @@ class Engine:
             )
         self._interrupt = Interrupt()
         """Ends every collective wait of this engine (see ``interrupt``)."""
+        # Where the shards go (and a deferred model's parameters).
+        device = construct.engine_device(module, group)
         self.comm = comm.Communicator(
             group,
             self.ledger,
@@ -129,7 +131,7 @@ class Engine:
             ring_chunk=block // self.dp_world,
             nodes=[node_of(r, rpn) for r in range(self.dp_world)],
             interrupt=self._interrupt,
-            device_type=construct.engine_device(module, group).type,
+            device_type=device.type,
         )
         self.mp_group = mp_group
         self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
@@ -165,7 +167,6 @@ class Engine:
         self.gatherer: ParamGatherer | None = None
         self.units: list[FlatUnit]
         if self.policy.partitions_params:
-            device = construct.engine_device(module, group)
             self.units = construct.empty_units(
                 self.layout.chunks, dtype, self.dp_world, shard_rank, device, opt_group
             )
@@ -182,9 +183,9 @@ class Engine:
             self._sync_initial_state(params=False)
         else:
             # Restored: the parameters go from the meta device straight into zeroed units.
-            target = construct.engine_device(module, group) if restored else None
+            target = device if restored else None
             if (deferred or init is not None) and not restored:
-                construct.materialize(module, init, construct.engine_device(module, group))
+                construct.materialize(module, init, device)
             if dtype != torch.float32:
                 module.to(dtype)
             self.units = build_units(

@@ -7,13 +7,13 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tests.checkpoint import scenarios as sc
+from tests.checkpoint.states import assert_same_states, consolidated
 from tests.engine.scenarios import Spec
 from tests.s3 import BUCKET
-from zeroservice.checkpoint import SaveFailed, iter_tensors
+from zeroservice.checkpoint import SaveFailed
 from zeroservice.checkpoint.storage import ENDPOINT_ENV, ObjectPath, location, storage_for
 from zeroservice.launch import run_local
 
@@ -35,20 +35,6 @@ def _steps(root: str) -> list[str]:
     return sorted(store.list_dirs(location(root)))
 
 
-def _consolidated(directory) -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        kind: dict(iter_tensors(directory, kind)) for kind in ("master", "exp_avg", "exp_avg_sq")
-    }
-
-
-def _equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for kind in a:
-        assert a[kind].keys() == b[kind].keys()
-        for name, value in a[kind].items():
-            assert torch.equal(value, b[kind][name]), (kind, name)
-
-
 @pytest.mark.slow
 def test_save_at_dp2_loads_at_dp1_and_dp3_as_from_local_disk(root, tmp_path):
     local = tmp_path / "local"
@@ -62,7 +48,7 @@ def test_save_at_dp2_loads_at_dp1_and_dp3_as_from_local_disk(root, tmp_path):
         for n in ("manifest.json", "rank-00000.bin", "rank-00001.bin")
     ]
     # The checkpoint read back from S3 equals the one on disk, bit for bit.
-    _equal(_consolidated(saved), _consolidated(local / "step-00000003"))
+    assert_same_states(consolidated(saved), consolidated(local / "step-00000003"))
     for world, stage in [(1, 2), (3, 2)]:
         from_s3, from_disk = tmp_path / f"s3-{world}", tmp_path / f"disk-{world}"
         spec = Spec(stage=stage)
@@ -70,9 +56,9 @@ def test_save_at_dp2_loads_at_dp1_and_dp3_as_from_local_disk(root, tmp_path):
         assert r["path"] == saved and r["step"] == 3 and r["skipped"] == []
         run_local(sc.load_and_continue, world, spec, str(local), 0, str(from_disk))
         # What each rank loaded (its masters and Adam's moments), saved again at once.
-        _equal(
-            _consolidated(next(from_s3.iterdir())),
-            _consolidated(next(from_disk.iterdir())),
+        assert_same_states(
+            consolidated(next(from_s3.iterdir())),
+            consolidated(next(from_disk.iterdir())),
         )
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.checkpoint import scenarios as sc
+from tests.checkpoint.states import consolidated
 from tests.engine.scenarios import TINY, Spec
 from zeroservice.checkpoint import export_checkpoint, iter_tensors
 from zeroservice.launch import run_local
@@ -34,12 +35,6 @@ def test_exact_resume_with_accumulation_and_bf16(tmp_path):
     assert r["resumed"] == r["straight"]
 
 
-def _consolidated(directory) -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        kind: dict(iter_tensors(directory, kind)) for kind in ("master", "exp_avg", "exp_avg_sq")
-    }
-
-
 @pytest.fixture(scope="module")
 def saved_at_4(tmp_path_factory):
     """Stage 2 at N_d = 4, three steps, saved."""
@@ -58,8 +53,8 @@ def test_load_at_another_world_size_and_stage(tmp_path, saved_at_4, world, stage
     ]
     assert r["step"] == 3 and r["skipped"] == []
     # What the new layout holds, saved again at once, is exactly what was saved.
-    before = _consolidated(saved_at_4)
-    after = _consolidated(next(resaved.iterdir()))
+    before = consolidated(saved_at_4)
+    after = consolidated(next(resaved.iterdir()))
     for kind in before:
         assert before[kind].keys() == after[kind].keys()
         for name, value in before[kind].items():

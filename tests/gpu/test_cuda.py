@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.checkpoint import scenarios as ck
+from tests.checkpoint.states import assert_same_states, consolidated
 from tests.engine import harness, scenarios
 from tests.engine.scenarios import Spec
 from tests.engine.test_precision import (
@@ -23,7 +24,6 @@ from tests.engine.test_precision import (
     mixed_and_overflow,
 )
 from tests.gpu.cuda_scenarios import on_gpu, ring_refused
-from zeroservice.checkpoint import iter_tensors
 from zeroservice.launch import run_local
 
 pytestmark = [
@@ -96,10 +96,6 @@ def _newest(root) -> str:
     return str(sorted(p for p in root.iterdir() if p.is_dir())[-1])
 
 
-def _consolidated(directory) -> dict[str, dict[str, torch.Tensor]]:
-    return {k: dict(iter_tensors(directory, k)) for k in ("master", "exp_avg", "exp_avg_sq")}
-
-
 def test_a_cuda_checkpoint_reshards_onto_cpus_and_back(tmp_path):
     """Saved on the GPU at N_d = 1 (stage 2), loaded on two CPU ranks at stage 3 and
     saved again, loaded back on the GPU at stage 1 and saved again: every master and
@@ -112,13 +108,9 @@ def test_a_cuda_checkpoint_reshards_onto_cpus_and_back(tmp_path):
     back_on_gpu = _run_on_gpu(ck.load_and_continue, 1, Spec(stage=1), _newest(cpu), 2, str(back))[0]
     same_on_cpu = run_local(ck.load_and_continue, 1, Spec(stage=1), _newest(cpu), 2, env=ON_CPU)[0]
     assert on_cpu["step"] == back_on_gpu["step"] == 3
-    first = _consolidated(_newest(gpu))
-    for other in (_consolidated(_newest(cpu)), _consolidated(_newest(back))):
-        assert first.keys() == other.keys()
-        for kind in first:
-            assert first[kind].keys() == other[kind].keys()
-            for name, value in first[kind].items():
-                assert torch.equal(value.cpu(), other[kind][name].cpu()), (kind, name)
+    first = consolidated(_newest(gpu))
+    for other in (_newest(cpu), _newest(back)):
+        assert_same_states(first, consolidated(other))
     # The same two steps after the load, on one CPU rank and on the GPU: the same
     # losses to float rounding (other kernels, so not bit for bit).
     torch.testing.assert_close(
