@@ -199,19 +199,38 @@ class ActivationCheckpointer:
     Each module's ``forward`` is replaced (on the instance) by one that runs it
     through ``_Checkpoint`` when autograd records; its first positional argument is
     the checkpointed input, other arguments are passed through unchanged (tensors
-    among them must not need gradients)."""
+    among them must not need gradients).
+
+    [Note: gradients of a shared parameter]
+    Each recomputation back-propagates in a backward of its own, so a parameter used
+    by two checkpointed calls (a block called twice, a weight tied across blocks)
+    has its gradient accumulated, and its post-accumulate hook run, once per call,
+    and once more for a use outside every checkpointed block. The reducer must not
+    reduce its unit before the last of them: ``take_expected_fires`` tells it how
+    many to wait for, counted from the forwards since the last backward."""
 
     def __init__(
         self,
         modules: list[tuple[str, nn.Module]],
         store: CheckpointStore,
         recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        root: nn.Module | None = None,
     ):
         self.store = store
         self.recomputing = recompute_context or contextlib.nullcontext
         self.modules = modules
         self._anchor = torch.empty(0, requires_grad=True)
         self._replaying = 0
+        self._params = {
+            id(module): [p for p in module.parameters() if p.requires_grad] for _, module in modules
+        }
+        self._owned_outside = _owned_outside(root, [m for _, m in modules]) if root else set()
+        """ids of parameters some module outside every checkpointed block also owns."""
+        self._calls: dict[int, int] = {}
+        """Per parameter id, the checkpointed calls using it since the last backward."""
+        self._used_directly: set[int] = set()
+        """Parameters of a block called with a graph but not checkpointed (no tensor
+        input) since the last backward."""
         for name, module in modules:
             if "forward" in module.__dict__:
                 what = name or "the model"
@@ -231,13 +250,13 @@ class ActivationCheckpointer:
             self._replaying -= 1
 
     def _forward(self, name: str, module: nn.Module, original: Callable, *args: Any, **kwargs: Any):
-        if (
-            self._replaying
-            or not torch.is_grad_enabled()
-            or not args
-            or not isinstance(args[0], torch.Tensor)
-        ):
+        if self._replaying or not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        if not args or not isinstance(args[0], torch.Tensor):
+            self._used_directly.update(id(p) for p in self._params[id(module)])
+            return original(*args, **kwargs)
+        for p in self._params[id(module)]:
+            self._calls[id(p)] = self._calls.get(id(p), 0) + 1
         x, rest = args[0], args[1:]
         for value in (*rest, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -256,9 +275,34 @@ class ActivationCheckpointer:
         # does not: backward always reaches the recomputation (and the parameters).
         return _Checkpoint.apply(self, run, rerun, x, self._anchor)
 
+    def take_expected_fires(self) -> dict[int, int]:
+        """Per parameter id used by a checkpointed call since the last backward, how many
+        times the next backward accumulates its gradient (see [Note: gradients of a
+        shared parameter]); counting starts again. A count may be one too high (an owner
+        outside the blocks that this forward did not call): its unit is then reduced
+        with the backward's last, never too early."""
+        fires = {
+            pid: calls + (pid in self._owned_outside or pid in self._used_directly)
+            for pid, calls in self._calls.items()
+        }
+        self._calls, self._used_directly = {}, set()
+        return fires
+
     def remove(self) -> None:
         for _, module in self.modules:
             module.__dict__.pop("forward", None)
+
+
+def _owned_outside(root: nn.Module, blocks: list[nn.Module]) -> set[int]:
+    """ids of parameters registered on a module outside every block's subtree."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return {
+        id(p)
+        for module in root.modules()
+        if id(module) not in inside
+        for p in module._parameters.values()
+        if p is not None
+    }
 
 
 def checkpointed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:

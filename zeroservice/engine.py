@@ -97,6 +97,8 @@ class Engine:
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
         construct.check_materialised(module)
+        if self.policy.partitions_params:
+            construct.check_no_gradient_hooks(module)
         check_param_dtypes(module, config.precision)
         template, opt_group = group_of_params(optimizer, trainable_parameters(module))
         self.layout = plan_layout(
@@ -292,7 +294,9 @@ class Engine:
             if self.gatherer is not None:
                 self.gatherer.checkpointed.update(id(m) for _, m in blocks)
                 recompute = self.gatherer.recomputing
-            self._checkpointer = ActivationCheckpointer(blocks, self.activations, recompute)
+            self._checkpointer = ActivationCheckpointer(
+                blocks, self.activations, recompute, root=module
+            )
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.micro_steps = 0
         """Backward passes since the last optimizer step."""
@@ -376,7 +380,8 @@ class Engine:
         reduces = self.policy.reduce_every_micro_batch or self.is_gradient_accumulation_boundary()
         left = self.state.move(TrainingState.REDUCING if reduces else TrainingState.BACKWARD)
         try:
-            self.reducer.pre_backward()
+            ck = self._checkpointer
+            self.reducer.pre_backward(ck.take_expected_fires() if ck is not None else None)
             if self.gatherer is not None:
                 self.gatherer.begin_backward()
             scale = self.loss_scale / self.config.gradient_accumulation_steps

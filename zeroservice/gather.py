@@ -47,7 +47,7 @@ from .flat import FlatUnit
 from .gather_check import GatherCheck
 from .param_access import ParamAccess
 from .prefetch import PrefetchPlan
-from .reduce import GradReducer
+from .reduce import GradReducer, late_gradient
 from .saved_tensors import SavedTensorRefs
 from .state import Pass
 from .zeropp import Scratch, Secondary, quantized_all_gather, shard_cuts
@@ -128,6 +128,14 @@ class ParamGatherer:
         """ids of modules whose forward runs without a graph and is recomputed in backward
         (activations.py): their first forward builds no gather nodes."""
         self._recomputing = 0
+        self._prepaid = [0] * len(units)
+        """Per unit, gather nodes a checkpointed block's recomputation will build that
+        ``_expected`` already counts (see ``post_forward``)."""
+        self._runs: list[set[int] | None] = []
+        """Per open window, the units a checkpointed block's first forward (no graph)
+        used, or None for any other window."""
+        self._run: set[int] | None = None
+        """The innermost checkpointed first forward's set, if one is running."""
         self.live_elements = 0
         self.peak_live_elements = 0
         self.on_demand_gathers = 0
@@ -160,6 +168,8 @@ class ParamGatherer:
                 return placeholder
             self._use(index, self._windows[-1])
             views = self._views[index]
+        if self._run is not None:
+            self._run.add(index)
         return views[slot]
 
     def views_of_live(self, index: int) -> list[torch.Tensor]:
@@ -174,12 +184,24 @@ class ParamGatherer:
                 self.secondary.clear()  # the weights changed since they were kept
         window: list[int] = []
         self._windows.append(window)
-        graph = torch.is_grad_enabled() and (
-            self._recomputing > 0 or id(module) not in self.checkpointed
+        # The same test as ActivationCheckpointer._forward: a checkpointed block's first
+        # forward (a tensor input, a graph recorded outside) builds no gather nodes.
+        checkpointed = (
+            torch.is_grad_enabled()
+            and self._recomputing == 0
+            and id(module) in self.checkpointed
+            and bool(args)
+            and isinstance(args[0], torch.Tensor)
         )
+        if checkpointed:
+            self._run = set()
+        self._runs.append(self._run if checkpointed else None)
+        graph = torch.is_grad_enabled() and not checkpointed
         for index in indices:
             if index not in self._views:
                 self._use(index, window, graph)
+            if self._run is not None:
+                self._run.add(index)
 
     @contextlib.contextmanager
     def recomputing(self):
@@ -195,6 +217,8 @@ class ParamGatherer:
         for index in self._windows.pop():
             self._views.pop(index, None)
             self._release(index)
+        if self._runs.pop() is not None:
+            self._close_run()
         self._drop_idle_after_last_gather()
         if is_root and not self._windows:
             self._views.clear()
@@ -204,6 +228,19 @@ class ParamGatherer:
             for index in self.persistent:
                 self._check_unmodified(index, self._live[index])
 
+    def _close_run(self) -> None:
+        """A checkpointed block's first forward ended: each unit it used gets one gather
+        node in the block's recomputation, counted now, so that no earlier node counts
+        as the unit's last (see [Note: gradients of a shared parameter] in
+        activations.py)."""
+        run = self._run
+        assert run is not None
+        for index in run:
+            if not self.units[index].frozen:
+                self._expected[index] += 1
+                self._prepaid[index] += 1
+        self._run = next((r for r in reversed(self._runs) if r is not None), None)
+
     def _use(self, index: int, window: list[int], graph: bool | None = None) -> None:
         self._request(
             index, Pass.BACKWARD if self.reducer.state.value.in_backward else Pass.FORWARD
@@ -211,7 +248,10 @@ class ParamGatherer:
         if graph is None:
             graph = torch.is_grad_enabled()
         if graph and not self.units[index].frozen:  # a frozen unit has no gradient node
-            self._expected[index] += 1
+            if self._recomputing and self._prepaid[index]:
+                self._prepaid[index] -= 1
+            else:
+                self._expected[index] += 1
             self._views[index] = _GatherUnit.apply(self, index, self._anchor)
         else:
             self._views[index] = tuple(self.views_of_live(index))
@@ -242,6 +282,8 @@ class ParamGatherer:
                 "call engine.backward(loss) instead of loss.backward()"
             )
         unit = self.units[index]
+        if self.reducer.launched(unit):
+            raise late_gradient(unit.slots[0].names[0])
         self._fired[index] += 1
         last = self._fired[index] >= self._expected[index]
         if last:
@@ -263,6 +305,7 @@ class ParamGatherer:
             self.secondary.clear()
         self._expected = [0] * len(self.units)
         self._fired = [0] * len(self.units)
+        self._prepaid = [0] * len(self.units)
         self.plan.end(Pass.BACKWARD)
 
     # -- after the optimizer step -----------------------------------------------------

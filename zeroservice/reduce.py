@@ -110,6 +110,17 @@ class _Lease:
     borrowed: bool = False
 
 
+def late_gradient(name: str) -> RuntimeError:
+    """A gradient that reached the engine after its unit's reduction: it would be lost."""
+    return RuntimeError(
+        f"{name}: a gradient arrived after its unit was reduced in this backward. A "
+        "parameter used by more than one reentrant checkpointed call "
+        "(torch.utils.checkpoint with use_reentrant=True) has its gradient accumulated in "
+        "separate backward passes the engine cannot foresee; use use_reentrant=False, or "
+        "the engine's activation_checkpointing, which counts them"
+    )
+
+
 @dataclass
 class _InFlight:
     pending: comm.Pending
@@ -175,6 +186,9 @@ class GradReducer:
         self._first_micro = True
         """The shard gradients hold nothing yet this step (copy, not add, into them)."""
         self._ready = [0] * len(units)
+        """Per unit, its slots whose gradients are all in (see ``post_accumulate_grad``)."""
+        self._fires: list[list[int]] = [[0] * len(u.slots) for u in units]
+        self._expected_fires: dict[int, int] = {}
         self._filled: list[list[bool]] = [[False] * len(u.slots) for u in units]
         self._staged: dict[int, _Lease] = {}
         self._held: dict[int, list[torch.Tensor | None]] = {}
@@ -256,8 +270,11 @@ class GradReducer:
             self._first_use.close()
 
     # -- hook points ----------------------------------------------------------------
-    def pre_backward(self) -> None:
-        """Arm the hooks for one backward (the engine has set the state already)."""
+    def pre_backward(self, expected_fires: dict[int, int] | None = None) -> None:
+        """Arm the hooks for one backward (the engine has set the state already).
+        ``expected_fires``: per parameter id, how many times this backward accumulates
+        its gradient when not once (see [Note: gradients of a shared parameter] in
+        activations.py)."""
         if self._first_use is not None and self.active:
             self._first_use.close()
             proposal = complete(self._first_use.order[::-1], self.order)
@@ -265,6 +282,8 @@ class GradReducer:
             if agreed(proposal, self.comm, self.units[0].flat.device):
                 self.order = proposal
         self._ready = [0] * len(self.units)
+        self._fires = [[0] * len(u.slots) for u in self.units]
+        self._expected_fires = expected_fires or {}
         self._launched = [False] * len(self.units)
         self._next_launch = 0
         self._finished = []
@@ -284,11 +303,16 @@ class GradReducer:
     def post_accumulate_grad(self, unit: FlatUnit, slot_index: int, param: torch.Tensor) -> None:
         if not self.active:
             return
+        if self._launched[unit.index]:
+            raise late_gradient(unit.slots[slot_index].names[0])
         if not self.policy.keep_full_grads:
             assert param.grad is not None
             self.stage_grad(unit, slot_index, param.grad)
             param.grad = None
-        self._ready[unit.index] += 1
+        fires = self._fires[unit.index]
+        fires[slot_index] += 1
+        if fires[slot_index] == self._expected_fires.get(id(param), 1):
+            self._ready[unit.index] += 1
         finished = self._ready[unit.index] == len(unit.slots)
         if finished:
             self._finished.append(unit.index)
@@ -321,6 +345,10 @@ class GradReducer:
         else:
             target.copy_(grad.reshape(-1))
             self._filled[unit.index][slot_index] = True
+
+    def launched(self, unit: FlatUnit) -> bool:
+        """Whether this backward has launched the unit's reduction."""
+        return self._launched[unit.index]
 
     def launch_now(self, unit: FlatUnit) -> None:
         """Stage 3: reduce a unit as soon as autograd is done with it.
