@@ -274,7 +274,9 @@ class ZeroConfig:
         if isinstance(self.lr_schedule, dict):
             self.lr_schedule = ScheduleConfig(**self.lr_schedule)
         _require(
-            isinstance(self.stage, int) and self.stage in (0, 1, 2, 3),
+            isinstance(self.stage, int)
+            and not isinstance(self.stage, bool)
+            and self.stage in (0, 1, 2, 3),
             "stage",
             f"{self.stage!r} is not a supported ZeRO stage (0, 1, 2 or 3)",
         )

@@ -81,6 +81,24 @@ def check_materialised(module: nn.Module) -> None:
         )
 
 
+def check_no_gradient_hooks(module: nn.Module) -> None:
+    """Refuse hooks on parameters at stage 3: the module computes with gathered copies,
+    the parameters themselves become empty placeholders, and a hook registered on
+    one (``register_hook``, ``register_post_accumulate_grad_hook``) would never run."""
+    hooked = [
+        n
+        for n, p in module.named_parameters()
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+    ]
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        raise ConfigError(
+            f"stage: 3 partitions parameters, and {', '.join(hooked[:3])}{more} carry "
+            "gradient hooks that would never run on them; change the gradient in the "
+            "module's forward instead, or use stage 0, 1 or 2"
+        )
+
+
 def is_deferred(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 

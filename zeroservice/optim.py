@@ -63,11 +63,24 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam")
+"""torch.optim classes whose update of an element depends on others of its tensor (a
+factored second moment, a line search, sparse rows): rebuilt over flat shards they
+would train another model, so they are refused."""
+
+
 def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             "optimizer: the factory must return a torch.optim.Optimizer, "
             f"got {type(optimizer).__name__}"
+        )
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim") and cls.__name__ in NOT_ELEMENTWISE:
+        raise ValueError(
+            f"optimizer: {cls.__name__} updates each element from others of its tensor; "
+            "the engine steps flat shards of the parameters and takes elementwise "
+            "optimizers only (SGD, Adam, AdamW, Adagrad, RMSprop, ...)"
         )
     return optimizer
 

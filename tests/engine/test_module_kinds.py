@@ -18,7 +18,7 @@ import zeroservice
 from tests.engine.harness import run_engine
 from zeroservice import ConfigError
 from zeroservice.activations import checkpointed_modules
-from zeroservice.construct import check_materialised
+from zeroservice.construct import check_materialised, check_no_gradient_hooks
 from zeroservice.launch import run_local
 
 STAGES = (0, 1, 2, 3)
@@ -109,6 +109,20 @@ def test_a_lazy_layer_before_its_first_forward_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"parameters 0\.weight, 0\.bias are not initialised"):
         check_materialised(nn.Sequential(nn.LazyLinear(4)))
     check_materialised(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_a_gradient_hook_on_a_parameter_is_refused_at_stage_3_by_name():
+    """Stage 3's modules compute with gathered copies: a hook on the parameter itself
+    would never run (stages 0-2 run it: the parameters stay what autograd sees)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    check_no_gradient_hooks(model)
+    model[1].weight.register_hook(lambda g: 3 * g)
+    with pytest.raises(ConfigError, match=r"stage: 3 .* 1\.weight carry gradient hooks"):
+        check_no_gradient_hooks(model)
+    other = nn.Linear(4, 4)
+    other.bias.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(ConfigError, match=r"bias carry gradient hooks"):
+        check_no_gradient_hooks(other)
 
 
 class _Experts(nn.Module):

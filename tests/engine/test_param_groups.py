@@ -78,6 +78,23 @@ def test_groups_must_cover_every_parameter_once():
     assert [group[id(p)] for _, p in ps] == [0, 1, 0, 1]
 
 
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda ps: torch.optim.Adafactor(ps),
+        lambda ps: torch.optim.LBFGS(ps),
+        lambda ps: torch.optim.SparseAdam(ps),
+    ],
+    ids=["Adafactor", "LBFGS", "SparseAdam"],
+)
+def test_an_optimizer_that_is_not_elementwise_is_refused_by_name(factory):
+    ps = _named(torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    name = type(factory([p for _, p in ps])).__name__
+    with pytest.raises(ValueError, match=f"optimizer: {name} updates each element from others"):
+        group_of_params(factory, ps)
+    group_of_params(lambda p: torch.optim.RMSprop(p, momentum=0.9), ps)
+
+
 @pytest.mark.parametrize("stage", (1, 3))
 def test_two_groups_with_model_parallelism(stage):
     """MP = 2 × DP = 1 trains like MP = 1 × DP = 2 with the same two groups."""
