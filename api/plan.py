@@ -16,6 +16,8 @@ from workers.spec import GPTModelSpec, JobSpec
 from zeroservice.autoconf import RUNTIME_RESERVE
 from zeroservice.config import ZeroConfig
 
+from .confine import Refused
+
 GIB = 2**30
 
 
@@ -126,6 +128,8 @@ def memory_limit(spec: JobSpec, settings, device_memory_gib: float | None) -> tu
     gib = device_memory_gib or (
         settings.device_memory_gib if spec.resources.gpus_per_rank else settings.cpu_rank_memory_gib
     )
+    if int(gib * GIB) < 1:
+        raise Refused(f"device_memory_gib: {gib!r} GiB is less than one byte per rank")
     return gib, int(gib * GIB)
 
 

@@ -140,8 +140,31 @@ def auto_configure(
     """The configuration with the least predicted step time whose predicted peak, with
     ``margin``, fits ``memory_per_rank`` bytes. See [Note: automatic configuration].
     ``mp``: weigh only that N_m (an elastic job's replicas keep their size)."""
-    if world < 1 or memory_per_rank < 1 or micro_batch < 1:
-        raise ValueError("world, memory_per_rank and micro_batch: must be >= 1")
+    from .models.gpt import GPTConfig
+
+    if not isinstance(gpt, GPTConfig):
+        raise TypeError(
+            f"model: the peak model covers the reference GPT (a GPTConfig), got "
+            f"{type(gpt).__name__}; plan other models with planner.plan (model states only)"
+        )
+    for name, value in (
+        ("world", world),
+        ("memory_per_rank", memory_per_rank),
+        ("micro_batch", micro_batch),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    if seq_len is not None and not 1 <= seq_len <= gpt.seq_len:
+        raise ValueError(f"seq_len: must be in [1, {gpt.seq_len}] (the model's), got {seq_len}")
+    if reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes: must be >= 0, got {reserve_bytes}")
+    for name, rate in (
+        ("flops_per_second", flops_per_second),
+        ("link_bytes_per_second", link_bytes_per_second),
+        ("host_bytes_per_second", host_bytes_per_second),
+    ):
+        if not rate > 0 or rate == float("inf"):
+            raise ValueError(f"{name}: must be a positive finite number, got {rate}")
     if mp is not None and (mp < 1 or world % mp or gpt.n_head % mp or gpt.vocab_size % mp):
         raise ValueError(
             f"mp: {mp} must divide the world ({world}), the heads ({gpt.n_head}) and the "

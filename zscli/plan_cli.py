@@ -105,7 +105,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     run = p.add_argument_group("configuration")
     run.add_argument("--dp", type=int, help="data-parallel ranks N_d")
-    run.add_argument("--mp", type=int, default=1, help="model-parallel ranks N_m (default 1)")
+    run.add_argument(
+        "--mp", type=int, help="model-parallel ranks N_m (default 1; with --auto: chosen)"
+    )
     run.add_argument("--stage", type=int, help="ZeRO stage 0-3")
     run.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     run.add_argument("--optimizer-bytes", type=int, default=8, help="per element (Adam: 8)")
@@ -177,8 +179,9 @@ def _auto(args: argparse.Namespace, model: planner.ModelSpec) -> int:
         world=args.ranks,
         memory_per_rank=args.memory_per_rank,
         precision=args.precision,
-        micro_batch=args.micro_batch or 1,
+        micro_batch=1 if args.micro_batch is None else args.micro_batch,
         seq_len=args.seq,
+        mp=args.mp,
         margin=args.margin,
     )
     if args.json:
@@ -236,7 +239,7 @@ def _plan(args: argparse.Namespace, model: planner.ModelSpec) -> int:
     result = planner.plan(
         model,
         dp=args.dp,
-        mp=args.mp,
+        mp=1 if args.mp is None else args.mp,
         stage=args.stage,
         precision=args.precision,
         optimizer_bytes=args.optimizer_bytes,

@@ -87,6 +87,23 @@ def test_nothing_fits_is_refused_with_the_numbers(harness):
     assert harness.client.get("/v1/jobs", headers=h).json()["total"] == 0
 
 
+def test_a_budget_below_one_byte_is_refused_naming_the_field(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    r = harness.client.post("/v1/plan", json={"spec": SMALL, "device_memory_gib": 1e-12}, headers=h)
+    assert r.status_code == 422, r.text
+    assert "device_memory_gib" in r.json()["detail"], r.text
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_a_boolean_stage_is_refused_naming_the_field(harness, stage):
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**SMALL, "engine": {"stage": stage}}
+    for route in ("/v1/jobs", "/v1/plan"):
+        r = harness.client.post(route, json={"spec": spec}, headers=h)
+        assert r.status_code == 422, r.text
+        assert "engine.stage" in r.text, r.text
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [

@@ -3,6 +3,7 @@ the command's flag, and chosen configurations that stay within their budget when
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -60,6 +61,42 @@ def test_cli_auto(capsys):
     assert "nothing fits" in capsys.readouterr().err
     assert main(["plan", "--auto", *shape, "--ranks", "2"]) == 2
     assert "--memory-per-rank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"world": 2.0}, "world"),
+        ({"micro_batch": 0}, "micro_batch"),
+        ({"memory_per_rank": True}, "memory_per_rank"),
+        ({"seq_len": 0}, "seq_len"),
+        ({"seq_len": 129}, "seq_len"),
+        ({"reserve_bytes": -1}, "reserve_bytes"),
+        ({"flops_per_second": 0.0}, "flops_per_second"),
+        ({"link_bytes_per_second": float("nan")}, "link_bytes_per_second"),
+    ],
+)
+def test_bad_inputs_are_refused_naming_the_argument(change, field):
+    args = {"world": 2, "memory_per_rank": 70 * MIB, "micro_batch": 4, **change}
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        auto_configure(DEEP, **args)
+
+
+def test_a_model_the_peak_model_does_not_cover_is_refused():
+    with pytest.raises(TypeError, match="model: the peak model covers the reference GPT"):
+        auto_configure(4_000_000, world=2, memory_per_rank=70 * MIB)  # type: ignore[arg-type]
+
+
+def test_cli_auto_takes_mp_and_refuses_a_zero_micro_batch(capsys):
+    shape = ["--gpt-layers", "6", "--gpt-dim", "256", "--gpt-heads", "4", "--vocab", "2048"]
+    run = ["plan", "--auto", *shape, "--seq", "128", "--ranks", "2", "--memory-per-rank", "1GiB"]
+    chosen = {}
+    for mp in (None, "1"):
+        assert main([*run, "--json", *(["--mp", mp] if mp else [])]) == 0
+        chosen[mp] = json.loads(capsys.readouterr().out)["choice"]["mp"]
+    assert chosen == {None: 2, "1": 1}  # unbound, auto splits the model; --mp binds it
+    assert main([*run, "--micro-batch", "0"]) == 2
+    assert "--micro-batch: must be an integer >= 1" in capsys.readouterr().err
 
 
 def _triples(n: int, seed: int, world: int) -> list[tuple[GPTConfig, int, int, dict, int]]:
