@@ -289,6 +289,18 @@ def combine_ranks(per_rank: list[dict]) -> dict:
     return out
 
 
+def parity_record(adam: Run, adam_ref: Run, sgd: Run, sgd_ref: Run) -> dict:
+    """What ``assert_matches_ddp`` holds: an Adam run's losses beside DDP's, and an SGD
+    run's reduced gradients and final weights against DDP's (see [Note: what parity
+    compares])."""
+    return {
+        "losses": adam.losses,
+        "ref_losses": adam_ref.losses,
+        "grad_ratio": sgd.grad_ratio,
+        "weight_ratio": weight_ratio(sgd.state, sgd_ref.state),
+    }
+
+
 def assert_matches_ddp(r: dict) -> None:
     """Losses at rtol 1e-5; every step's gradients and the final weights within bound."""
     steps = len(r["ref_losses"])

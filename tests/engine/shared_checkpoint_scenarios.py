@@ -91,12 +91,7 @@ def shared_parameters_at(kind: str, stage: int, steps: int = 3, accum: int = 2) 
 
     adam, adam_ref = runs(lambda ps: torch.optim.AdamW(ps, lr=1e-2), False)
     sgd, sgd_ref = runs(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), True)
-    return {
-        "losses": adam.losses,
-        "ref_losses": adam_ref.losses,
-        "grad_ratio": sgd.grad_ratio,
-        "weight_ratio": harness.weight_ratio(sgd.state, sgd_ref.state),
-    }
+    return harness.parity_record(adam, adam_ref, sgd, sgd_ref)
 
 
 def shared_parameters(stages: list[int]) -> dict[tuple[str, int], dict]:
