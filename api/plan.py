@@ -128,9 +128,10 @@ def memory_limit(spec: JobSpec, settings, device_memory_gib: float | None) -> tu
     gib = device_memory_gib or (
         settings.device_memory_gib if spec.resources.gpus_per_rank else settings.cpu_rank_memory_gib
     )
-    if int(gib * GIB) < 1:
+    limit = int(gib * GIB)
+    if limit < 1:
         raise Refused(f"device_memory_gib: {gib!r} GiB is less than one byte per rank")
-    return gib, int(gib * GIB)
+    return gib, limit
 
 
 def _sizing(spec: JobSpec, cfg: ZeroConfig) -> dict[str, Any]:
