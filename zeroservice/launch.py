@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now, for a server that binds it itself (uvicorn, Prometheus). A
+    process group takes no such port: see [Note: the launcher holds the store]."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,17 +46,11 @@ def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env, backen
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         result = fn(*args)
         torch.save(result, Path(outdir) / f"{rank}.pt")
-        if rank == 0:
-            _outlive_peers(Path(outdir), world, timeout_s)
     except BaseException:
         (Path(outdir) / f"{rank}.err").write_text(traceback.format_exc())
         raise
@@ -65,24 +61,6 @@ def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env, backen
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _outlive_peers(outdir: Path, world: int, timeout_s: float) -> None:
-    """Rank 0 hosts the group's store: it leaves only once every other rank has written
-    its result or its error. A peer still forming a group without rank 0
-    (``dist.new_group`` exchanges addresses through the store) would otherwise lose the
-    store and fail with "Connection reset by peer". A peer that dies without a word
-    ends the whole run (``_join``), this wait with it."""
-    deadline = time.monotonic() + timeout_s
-    pending = set(range(1, world))
-    while pending and time.monotonic() < deadline:
-        pending = {
-            r
-            for r in pending
-            if not ((outdir / f"{r}.pt").exists() or (outdir / f"{r}.err").exists())
-        }
-        if pending:
-            time.sleep(0.01)
 
 
 def run_local(
@@ -107,7 +85,8 @@ def run_local(
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: {backend!r} is not 'gloo' or 'nccl'")
     ctx = mp.get_context("spawn")
-    port = free_port()
+    store = _open_store(timeout_s)
+    port = int(store.port)
     with tempfile.TemporaryDirectory(prefix="zeroservice-run-") as outdir:
         procs = [
             ctx.Process(
@@ -139,6 +118,26 @@ def run_local(
             codes = [procs[r].exitcode for r in bad]
             raise RuntimeError(f"ranks {bad} exited with codes {codes}")
         return [torch.load(Path(outdir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _open_store(timeout_s: float) -> dist.TCPStore:
+    """The group's store, served by this process on a port the kernel picks.
+
+    [Note: the launcher holds the store]
+    Picking a free port and letting rank 0 bind it later is a race: on a busy machine
+    (gloo opens a socket per peer pair) another socket takes the port in between,
+    rank 0 fails with EADDRINUSE, and its peers wait out the whole timeout on a
+    stranger. Held here, the store is listening before any rank starts, and it
+    outlives every rank, so a rank still forming a group (``dist.new_group``
+    exchanges addresses through the store) never loses it when rank 0 leaves first.
+    """
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _join(procs, timeout_s: float) -> None:

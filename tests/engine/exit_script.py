@@ -2,10 +2,11 @@
 without close(), or (given FLAG) after an interrupt while its ring thread still waits
 on a silent peer.
 
-Run as ``python -m tests.engine.exit_script RANK WORLD PORT [FLAG]``; the exit code is
-the test. With FLAG, rank 1 stops taking part after two steps and stays alive (as a
-peer killed mid-message looks on gloo: see zeroservice/interrupt.py) until FLAG exists
-(at most 300 s); rank 0 is interrupted in its third step, closes its engine and exits.
+Run as ``python -m tests.engine.exit_script RANK WORLD PORT [FLAG]``, with the group's
+store served on PORT by the caller; the exit code is the test. With FLAG, rank 1 stops
+taking part after two steps and stays alive (as a peer killed mid-message looks on gloo:
+see zeroservice/interrupt.py) until FLAG exists (at most 300 s); rank 0 is interrupted
+in its third step, closes its engine and exits.
 """
 
 from __future__ import annotations
@@ -25,13 +26,9 @@ from zeroservice.interrupt import CommInterrupted
 
 
 def main(rank: int, world: int, port: int, flag: str | None = None) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     config = {"stage": 2, "collectives": "ring", "bucket_elements": 1024}

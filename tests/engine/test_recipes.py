@@ -3,15 +3,19 @@ without close()."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.engine.harness import assert_matches_ddp
 from tests.engine.recipe_scenarios import (
@@ -21,7 +25,7 @@ from tests.engine.recipe_scenarios import (
     stage2_staging,
 )
 from zeroservice.config import ConfigError, check_collectives
-from zeroservice.launch import free_port, run_local
+from zeroservice.launch import run_local
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,19 +66,35 @@ def test_auto_takes_the_ring_on_gloo_for_host_tensors_only():
     assert run_local(_ring_for, 2, "cuda") == [False, False]
 
 
-def _start_pair(*extra: str) -> list[subprocess.Popen]:
-    """The two ranks of one job of exit_script.py."""
-    port = str(free_port())
+@contextlib.contextmanager
+def _pair(*extra: str) -> Iterator[list[subprocess.Popen]]:
+    """The two ranks of one job of exit_script.py, around the group's store (held
+    here for the pair's life: see [Note: the launcher holds the store])."""
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "tests.engine.exit_script"]
-    return [
-        subprocess.Popen([*cmd, str(r), "2", port, *extra], cwd=ROOT, env=env) for r in range(2)
+    ranks = [
+        subprocess.Popen([*cmd, str(r), "2", str(store.port), *extra], cwd=ROOT, env=env)
+        for r in range(2)
     ]
+    try:
+        yield ranks
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
 
 
 def _launch_pair(_: int) -> tuple[int, int]:
     """One 2-rank job of exit_script.py; both ranks' exit codes."""
-    codes = [p.wait(timeout=300) for p in _start_pair()]
+    with _pair() as ranks:
+        codes = [p.wait(timeout=300) for p in ranks]
     return codes[0], codes[1]
 
 
@@ -83,13 +103,12 @@ def test_an_interrupted_rank_exits_while_its_ring_still_waits_on_a_silent_peer(t
     to 300 s, the group's timeout too; rank 0, interrupted inside the ring, closes and
     exits at once: its ring thread, still blocked, must not hold up the exit."""
     flag = tmp_path / "peer-may-go"
-    rank0, rank1 = _start_pair(str(flag))
-    try:
-        assert rank0.wait(timeout=150) == 0
-        assert rank1.poll() is None  # the peer has not let go of the transfer
-    finally:
-        flag.touch()
-        rank0.kill()
+    with _pair(str(flag)) as (rank0, rank1):
+        try:
+            assert rank0.wait(timeout=150) == 0
+            assert rank1.poll() is None  # the peer has not let go of the transfer
+        finally:
+            flag.touch()
         assert rank1.wait(timeout=300) == 0
 
 
