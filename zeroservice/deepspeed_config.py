@@ -263,15 +263,31 @@ def _optimizer(section: dict[str, Any] | None) -> OptimizerFactory | None:
     return factory
 
 
+DEEPSPEED_WARMUP_STEPS = 1000
+"""``warmup_num_steps`` when a DeepSpeed scheduler leaves it out (both schedulers)."""
+
+
 def _scheduler(section: dict[str, Any] | None, out: dict[str, Any]) -> None:
     if section is None:
         return
     _refuse_unknown(section, {"type", "params"}, "scheduler.")
     kind, p = section.get("type"), dict(section.get("params", {}))
-    if p.get("warmup_type", "linear") != "linear":
-        raise ConfigError(f"scheduler.params.warmup_type={p['warmup_type']!r}: only linear")
-    p.pop("warmup_type", None)
+    if kind not in ("WarmupCosineLR", "WarmupLR"):
+        raise ConfigError(
+            f"scheduler.type={kind!r}: supported are WarmupCosineLR and WarmupLR "
+            "(learning rates come from the optimizer section)"
+        )
+    warmup = p.pop("warmup_type", None)
+    if warmup is None and p.get("warmup_num_steps", DEEPSPEED_WARMUP_STEPS):
+        raise ConfigError(
+            "scheduler.params.warmup_type: unset means DeepSpeed's default, 'log', which "
+            "is not supported; set 'linear' (lr_schedule warms up linearly)"
+        )
+    if warmup not in (None, "linear"):
+        raise ConfigError(f"scheduler.params.warmup_type={warmup!r}: only 'linear' is supported")
     if kind == "WarmupCosineLR":
+        if "total_num_steps" not in p:
+            raise ConfigError("scheduler.params.total_num_steps: WarmupCosineLR needs it")
         _refuse_unknown(
             p,
             {"total_num_steps", "warmup_num_steps", "warmup_min_ratio", "cos_min_ratio"},
@@ -279,18 +295,15 @@ def _scheduler(section: dict[str, Any] | None, out: dict[str, Any]) -> None:
         )
         out["lr_schedule"] = ScheduleConfig(
             kind="cosine",
-            warmup_steps=p.get("warmup_num_steps", 0),
+            warmup_steps=p.get("warmup_num_steps", DEEPSPEED_WARMUP_STEPS),
             total_steps=p["total_num_steps"],
             min_ratio=p.get("cos_min_ratio", 0.0001),
             warmup_start_ratio=p.get("warmup_min_ratio", 0.0),
         )
-    elif kind == "WarmupLR":
-        _refuse_unknown(p, {"warmup_num_steps"}, "scheduler.params.")
-        out["lr_schedule"] = ScheduleConfig(warmup_steps=p.get("warmup_num_steps", 1000))
     else:
-        raise ConfigError(
-            f"scheduler.type={kind!r}: supported are WarmupCosineLR and WarmupLR "
-            "(learning rates come from the optimizer section)"
+        _refuse_unknown(p, {"warmup_num_steps"}, "scheduler.params.")
+        out["lr_schedule"] = ScheduleConfig(
+            warmup_steps=p.get("warmup_num_steps", DEEPSPEED_WARMUP_STEPS)
         )
 
 

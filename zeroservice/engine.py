@@ -394,6 +394,20 @@ class Engine:
         except BaseException:
             self.state.reset_to(left)
             raise
+        outside = self.gatherer.take_outside_uses() if self.gatherer is not None else []
+        if outside:
+            self.reducer.zero_grads()
+            self.micro_steps = 0
+            self.state.reset_to(TrainingState.IDLE)
+            more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+            raise RuntimeError(
+                f"backward: the loss used {', '.join(outside[:3])}{more} outside the "
+                "model's forward; "
+                "at stage 3 a weight is gathered only inside a forward and is an empty "
+                "placeholder elsewhere, so that term trained nothing. Compute it inside the "
+                "model's forward (self.parameters() there yields the gathered weights). "
+                "The gradients of this step so far were discarded"
+            )
         self.micro_steps += 1
         self.state.move(TrainingState.ACCUMULATED)
 
@@ -667,6 +681,7 @@ class Engine:
             pending += self.gatherer.refresh_persistent()
         comm.wait_all(pending)
         self.awaiting_state = False
+        self.optimizer.adopt_lrs()  # the rates a checkpoint restored are the engine's
         self.global_steps = counters.global_steps
         self.applied_steps = counters.applied_steps
         if self.scaler is not None and counters.loss_scaler:

@@ -172,6 +172,10 @@ class ParamGatherer:
             self._run.add(index)
         return views[slot]
 
+    def in_forward(self) -> bool:
+        """A forward (or its recomputation) is running: a parameter read gathers."""
+        return bool(self._windows)
+
     def views_of_live(self, index: int) -> list[torch.Tensor]:
         return self.units[index].views_of(self._buffer(index))
 
@@ -307,6 +311,18 @@ class ParamGatherer:
         self._fired = [0] * len(self.units)
         self._prepaid = [0] * len(self.units)
         self.plan.end(Pass.BACKWARD)
+
+    def take_outside_uses(self) -> list[str]:
+        """Names of the placeholders a backward reached (their ``.grad`` is cleared):
+        a loss term built from a weight read outside every forward, where it is the
+        empty placeholder, so the term contributed nothing to the real weight."""
+        names = []
+        for unit in self.units:
+            for slot in unit.slots:
+                if slot.param.grad is not None:
+                    slot.param.grad = None
+                    names.append(slot.names[0])
+        return names
 
     # -- after the optimizer step -----------------------------------------------------
     def refresh_persistent(self) -> list[comm.Pending]:

@@ -178,6 +178,8 @@ class ShardedOptimizer:
         if fuse:
             self.optimizer = fused_variant(self.optimizer)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self._written_lrs: list[float] | None = None
+        """The rates set_lr_factor last wrote (see its docstring)."""
 
     def _initial_master(self, unit: FlatUnit) -> torch.Tensor:
         piece = unit.param_shard
@@ -200,8 +202,29 @@ class ShardedOptimizer:
         return sum(g.numel() * g.element_size() for g in self._host_grads)
 
     def set_lr_factor(self, factor: float) -> None:
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+        """Each group's rate: its base (the factory's) times the schedule's ``factor``.
+
+        The engine owns the rate (``lr_schedule``): a rate changed in between (a torch
+        scheduler or a loop attached to the inner optimizer) would be overwritten here
+        without a word, so it is refused by name instead."""
+        groups = self.optimizer.param_groups
+        if self._written_lrs is not None:
+            for i, (group, written) in enumerate(zip(groups, self._written_lrs, strict=True)):
+                if float(group["lr"]) != written:
+                    raise RuntimeError(
+                        f"optimizer: param group {i}'s lr was changed outside the engine "
+                        f"(to {float(group['lr'])!r}; the engine set {written!r}). The "
+                        "engine sets the rate each step from the factory's lr and "
+                        "lr_schedule: configure the schedule there, not with a torch "
+                        "scheduler on the inner optimizer"
+                    )
+        for group, base in zip(groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
+        self._written_lrs = [float(g["lr"]) for g in groups]
+
+    def adopt_lrs(self) -> None:
+        """The groups' rates as they are now count as the engine's (after a load)."""
+        self._written_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def global_grad_norm(self, grads: list[torch.Tensor], loss_scale: float) -> float:
         """Norm of the mean, unscaled gradient over all shards (one scalar all-reduce)."""

@@ -166,3 +166,21 @@ def mp_two_groups(stages: list[int], mps: list[int]) -> list[list[float]]:
         engine.close()
         out.append(losses)
     return out
+
+
+def rate_changed_outside(spec: GroupSpec, path: str) -> dict:
+    """A torch scheduler on the inner optimizer is refused at the next step; a load
+    (which restores the saved rates) is not such a change."""
+    engine = engine_for(spec)
+    train(engine, 2)
+    engine.save_checkpoint(path)
+    inner = engine.optimizer.optimizer
+    torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5).step()
+    try:
+        train(engine, 1, first=2)
+        refused = "no error"
+    except RuntimeError as exc:
+        refused = str(exc)
+    resumed = engine_for(spec)
+    resumed.load_checkpoint(path)
+    return {"refused": refused, "resumed": train(resumed, 2, first=2)}

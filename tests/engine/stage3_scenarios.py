@@ -69,6 +69,18 @@ class OddModel(nn.Module):
         return F.cross_entropy(self.out(x).view(-1, VOCAB), targets.reshape(-1))
 
 
+class PenalisedOdd(OddModel):
+    """OddModel whose loss adds penalties over ``self.parameters()`` and the weight
+    matrices of ``self.named_parameters()``: read inside the forward, at stage 3 they
+    must be the gathered weights, not the empty placeholders."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(idx, targets)
+        l2 = sum(p.pow(2).sum() for p in self.parameters())
+        matrices = sum(p.abs().sum() for n, p in self.named_parameters() if n.endswith("weight"))
+        return loss + 1e-3 * l2 + 1e-4 * matrices
+
+
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -103,6 +115,7 @@ def _llama() -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "odd": OddModel,
     "odd-reorder": lambda: OddModel(reorder=True),
+    "odd-penalised": PenalisedOdd,
     "gpt2": _gpt2,
     "llama": _llama,
 }
@@ -321,6 +334,11 @@ def error_message(case: str, path: str = "") -> str:
         elif case == "in-place-weight":
             engine = zeroservice.initialize(_ClampsItsWeight(), ZeroConfig(stage=3), opt)
             engine(torch.randn(4, 8))
+        elif case == "penalty-outside-forward":
+            engine = zeroservice.initialize(GPT(cfg), ZeroConfig(stage=3), opt)
+            x, y = _batch(0)
+            penalty = sum(p.pow(2).sum() for p in engine.module.parameters())
+            engine.backward(engine(x, y) + 1e-3 * penalty)
         elif case == "plain-backward":
             engine = zeroservice.initialize(GPT(cfg), ZeroConfig(stage=3), opt)
             x, y = _batch(0)

@@ -77,7 +77,7 @@ def test_deepspeed_config_translates():
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
         "scheduler": {
             "type": "WarmupCosineLR",
-            "params": {"total_num_steps": 100, "warmup_num_steps": 10},
+            "params": {"total_num_steps": 100, "warmup_num_steps": 10, "warmup_type": "linear"},
         },
     }
     settings = from_deepspeed(ds, world_size=4)
@@ -88,6 +88,37 @@ def test_deepspeed_config_translates():
     assert cfg.lr_schedule.kind == "cosine" and cfg.lr_schedule.total_steps == 100
     opt = settings.optimizer([nn.Parameter(torch.zeros(3))])
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "message"),
+    [
+        (
+            {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_num_steps": 3}},
+            "warmup_type: unset means DeepSpeed's default, 'log'",
+        ),
+        ({"type": "WarmupLR", "params": {}}, "warmup_type: unset means DeepSpeed's default"),
+        (
+            {"type": "WarmupLR", "params": {"warmup_type": "log"}},
+            r"warmup_type='log': only 'linear'",
+        ),
+        (
+            {"type": "WarmupCosineLR", "params": {"warmup_type": "linear"}},
+            "total_num_steps: WarmupCosineLR needs it",
+        ),
+    ],
+)
+def test_deepspeed_scheduler_refusals(scheduler, message):
+    """DeepSpeed warms up logarithmically unless told otherwise; a translation that
+    warmed up linearly instead would train another schedule without a word."""
+    with pytest.raises(ConfigError, match=message):
+        from_deepspeed({"scheduler": scheduler})
+
+
+def test_deepspeed_cosine_without_warmup_needs_no_warmup_type():
+    params = {"total_num_steps": 9, "warmup_num_steps": 0}
+    cfg = from_deepspeed({"scheduler": {"type": "WarmupCosineLR", "params": params}}).config
+    assert cfg.lr_schedule.kind == "cosine" and cfg.lr_schedule.warmup_steps == 0
 
 
 def test_deepspeed_stage3_translates():

@@ -12,6 +12,7 @@ from tests.engine.param_group_scenarios import (
     load_groups,
     mp_two_groups,
     parity,
+    rate_changed_outside,
     save_groups,
     two_groups,
 )
@@ -100,3 +101,16 @@ def test_two_groups_with_model_parallelism(stage):
     """MP = 2 × DP = 1 trains like MP = 1 × DP = 2 with the same two groups."""
     ref, tp = run_local(mp_two_groups, 2, [stage, stage], [1, 2])[0]
     torch.testing.assert_close(torch.tensor(tp), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_rate_changed_outside_the_engine_is_refused(tmp_path, stage):
+    """The engine sets every group's rate each step from the factory's and lr_schedule;
+    a torch scheduler on the inner optimizer would be overwritten without a word."""
+    spec = GroupSpec(stage=stage, optimizer="sgd")
+    r = run_local(rate_changed_outside, 1, spec, str(tmp_path / "ckpt"))[0]
+    assert r["refused"].startswith(
+        "optimizer: param group 0's lr was changed outside the engine (to "
+    ), r["refused"]
+    assert "configure the schedule there" in r["refused"]
+    assert len(r["resumed"]) == 2

@@ -25,6 +25,8 @@ MODEL_CASES = {
         (2,),
     ),
     "odd-reorder": ("odd-reorder", {"stage3_prefetch_elements": 4000}, (2,)),
+    "odd-penalised": ("odd-penalised", {"stage3_persistence_elements": 0}, (2,)),
+    "odd-penalised-persistent": ("odd-penalised", {"stage3_persistence_elements": 2000}, (2,)),
     "gpt2": ("gpt2", {}, (2, 4)),
     "llama": ("llama", {"stage3_persistence_elements": 0}, (2,)),
 }
@@ -139,6 +141,15 @@ def test_in_place_write_to_a_gathered_weight_is_refused():
     msg = _error("in-place-weight")
     assert msg.startswith("RuntimeError") and "blocks.0.weight" in msg, msg
     assert "modified in place" in msg
+
+
+def test_a_loss_term_from_weights_read_outside_the_forward_is_refused():
+    """Outside a forward a stage-3 weight is its empty placeholder: a penalty built from
+    ``engine.module.parameters()`` there would add nothing, silently."""
+    msg = _error("penalty-outside-forward")
+    used = "wte.weight, wpe.weight, blocks.0.ln1.weight and 25 more outside the model's forward"
+    assert msg.startswith(f"RuntimeError: backward: the loss used {used}; "), msg
+    assert "Compute it inside the model's forward" in msg
 
 
 def test_plain_loss_backward_is_refused_at_stage3():
