@@ -58,7 +58,7 @@ class _ForwardParameters(dict):
         super().__init__(params)
         self._module, self._names, self._source = module, names, source
 
-    def items(self):  # type: ignore[override]
+    def items(self):
         if not self._source.in_forward():
             return super().items()
         return [
