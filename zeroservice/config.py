@@ -9,7 +9,10 @@ pydantic job spec).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +38,63 @@ def _is_int(value: object) -> bool:
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}: {message}")
+
+
+MAX_COUNT = 2**53
+"""The largest integer a field takes (steps, elements, intervals): beyond it a count
+is no longer exact as a JSON number, and no run comes near it."""
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message, cut short (a 300-digit integer names nothing)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_types(config: Any, prefix: str = "") -> None:
+    """Each field's value against its annotation (bool, int, float, str literal, None,
+    a nested config), before any comparison: a string where a number belongs must be
+    named, not raise a TypeError (or pass) deep inside a check or a run."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, hint = getattr(config, f.name), hints[f.name]
+        options = typing.get_args(hint) if type(hint) is types.UnionType else (hint,)
+        if value is None and type(None) in options:
+            continue
+        kind = next(o for o in options if o is not type(None))
+        name = prefix + f.name
+        if kind is bool:
+            _require(isinstance(value, bool), name, f"{_shown(value)} must be true or false")
+        elif kind is int:
+            _require(
+                _is_int(value) and abs(value) <= MAX_COUNT,
+                name,
+                f"{_shown(value)} must be an integer (at most 2**53)",
+            )
+        elif kind is float:
+            _require(
+                (_is_int(value) and abs(value) <= MAX_COUNT)
+                or (isinstance(value, float) and math.isfinite(value)),
+                name,
+                f"{_shown(value)} must be a finite number",
+            )
+        elif typing.get_origin(kind) is Literal:
+            _require(
+                isinstance(value, str) and value in typing.get_args(kind),
+                name,
+                f"{_shown(value)} is not one of {', '.join(map(repr, typing.get_args(kind)))}",
+            )
+
+
+def _sub_config(cls: type, value: Any, name: str) -> Any:
+    """A nested config from plain data, unknown keys refused by name."""
+    if isinstance(value, cls):
+        return value
+    _require(isinstance(value, dict), name, f"{_shown(value)} must be an object of its fields")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in set(value) - known)
+    _require(not unknown, name, f"unknown field(s) {', '.join(unknown)}")
+    return cls(**value)
 
 
 def check_collectives(collectives: str, backend: str, device_type: str = "cpu") -> None:
@@ -83,6 +143,7 @@ class LossScaleConfig:
     """Overflows tolerated before the scale backs off (the step is skipped every time)."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "loss_scale.")
         _require(self.initial_scale > 0, "loss_scale.initial_scale", "must be > 0")
         _require(self.growth_interval >= 1, "loss_scale.growth_interval", "must be >= 1")
         _require(0 < self.backoff_factor < 1, "loss_scale.backoff_factor", "must be in (0, 1)")
@@ -114,6 +175,7 @@ class ScheduleConfig:
     warmup_start_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_types(self, "lr_schedule.")
         _require(
             self.kind in ("constant", "cosine", "linear"),
             "lr_schedule.kind",
@@ -269,10 +331,9 @@ class ZeroConfig:
     """Samples per rank per micro-batch; used by launchers and data loaders, not the engine."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.loss_scale, dict):
-            self.loss_scale = LossScaleConfig(**self.loss_scale)
-        if isinstance(self.lr_schedule, dict):
-            self.lr_schedule = ScheduleConfig(**self.lr_schedule)
+        self.loss_scale = _sub_config(LossScaleConfig, self.loss_scale, "loss_scale")
+        self.lr_schedule = _sub_config(ScheduleConfig, self.lr_schedule, "lr_schedule")
+        _check_types(self)
         _require(
             isinstance(self.stage, int)
             and not isinstance(self.stage, bool)

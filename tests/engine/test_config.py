@@ -255,3 +255,32 @@ def test_loss_scaler_backs_off_with_hysteresis_and_grows_back():
     restored = DynamicLossScaler()
     restored.load_state_dict(s.state_dict())
     assert restored.state_dict() == s.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"lr_schedule": 5}, r"^lr_schedule: 5 must be an object of its fields$"),
+        ({"lr_schedule": {"kind": "cosine", "step": 3}}, r"^lr_schedule: unknown field\(s\) step"),
+        ({"lr_schedule": {"kind": "linear", "total_steps": "9"}}, "lr_schedule.total_steps: '9'"),
+        ({"loss_scale": "x"}, r"^loss_scale: 'x' must be an object"),
+        ({"loss_scale": {"hysteresis": 1.5}}, "loss_scale.hysteresis: 1.5 must be an integer"),
+        ({"overlap_comm": {"a": 1}}, r"^overlap_comm: \{'a': 1\} must be true or false"),
+        ({"fuse_optimizer": [1]}, r"^fuse_optimizer: \[1\] must be true or false"),
+        ({"stage3_check_gathers": "yes"}, r"^stage3_check_gathers: 'yes' must be true or"),
+        ({"gradient_accumulation_steps": True}, "gradient_accumulation_steps: True must be an"),
+        ({"bucket_elements": 2**1000}, r"^bucket_elements: 10715086071862673\d+\.\.\. must be"),
+        (
+            {"stage3_prefetch_elements": 2**70},
+            r"stage3_prefetch_elements: \d+ must be an integer \(at most 2\*\*53\)",
+        ),
+        ({"gradient_clipping": "1"}, "gradient_clipping: '1' must be a finite number"),
+        ({"gradient_clipping": float("inf")}, "gradient_clipping: inf must be a finite number"),
+        ({"precision": ["fp32"]}, r"^precision: \['fp32'\] is not one of 'fp32', 'bf16'"),
+    ],
+)
+def test_fields_of_the_wrong_type_are_refused_by_name(fields, message):
+    """A REST body or a YAML file may hold any JSON value in any field; each must be
+    named at construction, not fail (or pass) later on the ranks."""
+    with pytest.raises(ConfigError, match=message):
+        ZeroConfig.from_dict(fields)
