@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from .asgi import replay, send_error
 
 Scope = dict[str, Any]
 
@@ -27,7 +28,7 @@ class BodyLimit:
         if body is None:
             await self._refuse(send)
             return
-        await self.app(scope, self._replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
     async def _read(self, receive: Any) -> bytes | None:
         chunks: list[bytes] = []
@@ -43,25 +44,6 @@ class BodyLimit:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    @staticmethod
-    def _replay(body: bytes, receive: Any) -> Any:
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return replay
-
     async def _refuse(self, send: Any) -> None:
         detail = f"body: larger than {self.max_bytes} bytes (ZEROSERVICE_MAX_BODY_BYTES)"
-        payload = json.dumps({"detail": detail}).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(payload)),
-        ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await send_error(send, 413, detail)

@@ -40,6 +40,8 @@ def resolve_data_path(path: str, tenant: str, settings: Settings) -> str:
     """The real path (symlinks resolved) of ``path``, which must lie under one of the
     tenant's data roots; a relative path is taken from the first root."""
     roots = tenant_data_roots(settings, tenant)
+    if "\x00" in path:
+        raise Refused("data.path: a NUL character is refused")
     real = os.path.realpath(os.path.join(roots[0], path))
     if not any(real == root or real.startswith(root + os.sep) for root in roots):
         raise Refused(f"data.path: {path!r} is not under this tenant's data roots")

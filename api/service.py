@@ -13,6 +13,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from workers.model_size import ModelNotBuildable
 from workers.spec import JobSpec
 from workers.state import ACTIVE
+from zeroservice.planner import PlanError
 
 from . import store
 from .auto_config import AutoRefused, is_auto, resolve
@@ -70,6 +71,8 @@ class Service:
             plan = plan_job(spec, self.settings, self.count_parameters, device_memory_gib, refuse)
         except (Refused, ModelNotBuildable) as exc:
             raise Rejected(422, str(exc)) from None
+        except PlanError as exc:  # a combination of fields the planner cannot lay out
+            raise Rejected(422, f"plan: {exc}") from None
         except PlanRefused as refused:
             raise Rejected(422, refused.detail) from None
         except AutoRefused as refused:

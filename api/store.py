@@ -168,7 +168,7 @@ def submit(
     with a submission id already used by this tenant, the existing job instead (the
     unique constraint decides under concurrency)."""
     if submission_id is not None:
-        found = _by_submission(session, who.tenant_id, submission_id)
+        found = by_submission(session, who.tenant_id, submission_id)
         if found is not None:
             return Created(found, False)
     now = utcnow()
@@ -207,14 +207,14 @@ def submit(
         session.rollback()
         if submission_id is None:
             raise
-        found = _by_submission(session, who.tenant_id, submission_id)
+        found = by_submission(session, who.tenant_id, submission_id)
         if found is None:
             raise
         return Created(found, False)
     return Created(job, True)
 
 
-def _by_submission(session: Session, tenant_id: int, submission_id: str) -> Job | None:
+def by_submission(session: Session, tenant_id: int, submission_id: str) -> Job | None:
     return session.execute(
         select(Job).where(Job.tenant_id == tenant_id, Job.submission_id == submission_id)
     ).scalar_one_or_none()

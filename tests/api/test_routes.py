@@ -3,6 +3,7 @@ tenants, idempotent submission, the scheduler against a fake cluster, restarts."
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -396,3 +397,80 @@ def test_provisioned_admin_token_and_revocation(database_url, tmp_path):
     )
     client.close()
     service.engine.dispose()
+
+
+def test_a_retry_returns_the_first_job_even_when_that_job_fills_the_quota(harness):
+    """The quota is measured before a new job is stored; a retry must not be measured
+    against its own first submission."""
+    c, admin = harness.client, harness.headers(harness.admin)
+    h = harness.headers(harness.tenant_token("alice"))
+    assert c.put("/v1/tenants/alice/limits", json={"max_queued_jobs": 1}, headers=admin).is_success
+    body = {"spec": TINY, "submission_id": "run-7"}
+    first = c.post("/v1/jobs", json=body, headers=h)
+    assert first.status_code == 201, first.text
+    again = c.post("/v1/jobs", json=body, headers=h)
+    assert again.status_code == 200, again.text
+    assert again.json()["id"] == first.json()["id"]
+    other = c.post("/v1/jobs", json={**body, "submission_id": "run-8"}, headers=h)
+    assert other.status_code == 429, other.text
+    assert _jobs_stored(harness) == 1
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "named"),
+    [
+        ("engine", {"lr_schedule": "\ud800"}, "spec.engine.lr_schedule"),
+        ("engine", {"\udfff": 1}, "spec.engine (a key)"),
+        ("name", "a\x00b", "spec.name"),
+        ("model", {"factory": "m:f", "kwargs": {"x": ["ok", "\ud83d"]}}, "spec.model.kwargs.x[1]"),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/jobs", "/v1/plan"])
+def test_text_the_store_cannot_hold_is_refused_naming_where(harness, route, where, value, named):
+    """A NUL (PostgreSQL's text refuses it) or an unpaired surrogate (no UTF-8 encodes
+    it: a job stored with one answered 500 on every read) is a 422, and nothing is
+    stored."""
+    h = {**harness.headers(harness.tenant_token("alice")), "content-type": "application/json"}
+    body = json.dumps({"spec": {**TINY, where: value}})  # escaped, as \\ud800
+    r = harness.client.post(route, content=body, headers=h)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == (
+        f"{named}: text with a NUL character or an unpaired surrogate is refused"
+    )
+    assert _jobs_stored(harness) == 0
+
+
+def test_a_surrogate_pair_is_one_character_and_passes():
+    from api.text_guard import bad_string_path
+
+    assert bad_string_path(json.loads('{"a": ["\\ud83d\\ude00"]}')) is None
+    assert bad_string_path(json.loads('{"a": ["\\ude00\\ud83d"]}')) == "a[0]"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["/v1/jobs/a%00b", "/v1/jobs/x%00/events", "/v1/tokens?tenant=a%00", "/v1/jobs?status=%00"],
+)
+def test_a_nul_in_the_url_is_refused(harness, url):
+    r = harness.client.get(url, headers=harness.headers(harness.admin))
+    assert (r.status_code, r.json()) == (422, {"detail": "url: a NUL character is refused"})
+
+
+def test_a_layout_the_planner_cannot_make_is_a_422_naming_it(harness):
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**TINY, "engine": {"stage": 3, "ranks_per_node": 2}, "resources": {"dp": 1}}
+    for route in ("/v1/plan", "/v1/jobs"):
+        r = harness.client.post(route, json={"spec": spec}, headers=h)
+        assert (r.status_code, r.json()) == (
+            422,
+            {"detail": "plan: ranks_per_node: 2 does not divide dp 1"},
+        ), route
+
+
+def test_made_up_methods_share_one_metrics_series(harness):
+    """Anyone may send any method without a token; each must not add a series."""
+    for i in range(5):
+        harness.client.request(f"ZZ{i}", "/v1/jobs")
+    text_ = harness.client.get("/metrics").text
+    assert 'method="other"' in text_
+    assert 'method="ZZ' not in text_

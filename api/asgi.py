@@ -1,0 +1,29 @@
+"""Two pieces the ASGI middlewares share: a body read once and replayed to the app,
+and a JSON error answered before any route runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that hands the app ``body`` (already read) first."""
+    sent = False
+
+    async def replayed() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+async def send_error(send: Any, status: int, detail: str) -> None:
+    """``{"detail": ...}`` with ``status``, as the app's own errors look."""
+    payload = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,84 @@
+"""Text the store cannot hold is refused at the door: a NUL character (PostgreSQL's
+text refuses it) or an unpaired UTF-16 surrogate (no UTF-8 encodes it, so a job
+stored with one could never be read back), anywhere in the URL or in a JSON body's
+keys and strings. 422 names where; nothing reaches a route."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+from .asgi import replay, send_error
+
+Scope = dict[str, Any]
+
+
+def _bad(text: str) -> bool:
+    return "\x00" in text or any("\ud800" <= c <= "\udfff" for c in text)
+
+
+def bad_string_path(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first key or string holding bad text, or None."""
+    if isinstance(value, str):
+        return (path or "body") if _bad(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if _bad(key):
+                return f"{path or 'body'} (a key)"
+            found = bad_string_path(item, where)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = bad_string_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+class TextGuard:
+    """ASGI middleware; runs inside BodyLimit, which bounds and replays the body."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if "\x00" in scope.get("path", "") or b"\x00" in unquote_to_bytes(
+            scope.get("query_string", b"")
+        ):
+            await send_error(send, 422, "url: a NUL character is refused")
+            return
+        body = await _read(receive)
+        where = _where_in_body(body)
+        if where is not None:
+            detail = f"{where}: text with a NUL character or an unpaired surrogate is refused"
+            await send_error(send, 422, detail)
+            return
+        await self.app(scope, replay(body, receive), send)
+
+
+def _where_in_body(body: bytes) -> str | None:
+    if not body:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None  # not JSON: the route answers it
+    return bad_string_path(data)
+
+
+async def _read(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
