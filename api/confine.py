@@ -93,7 +93,10 @@ def _check_tenant_uri(uri: str, tenant: str, root: str, field: str, env: str) ->
 def confine_tracking(tracking: TrackingSpec, tenant: str, settings: Settings) -> TrackingSpec:
     """The job's tracking with the service's defaults filled in (the MLflow URI, the
     tenant's name as experiment); a URI other than the service's must be one of the
-    servers the operator allows (a file store of a tenant's choosing never is)."""
+    servers the operator allows (a file store of a tenant's choosing never is). A
+    named experiment is the tenant's own, ``<tenant>/<name>``: tenants share the
+    tracking server, and a bare name could be another tenant's (its default
+    experiment is its name; tenant names hold no ``/``)."""
     if not tracking.mlflow:
         return tracking
     uri = tracking.mlflow_uri
@@ -107,9 +110,17 @@ def confine_tracking(tracking: TrackingSpec, tenant: str, settings: Settings) ->
     return tracking.model_copy(
         update={
             "mlflow_uri": uri or settings.mlflow_tracking_uri,
-            "experiment": tracking.experiment or tenant,
+            "experiment": tenant_experiment(tracking.experiment, tenant),
         }
     )
+
+
+def tenant_experiment(name: str | None, tenant: str) -> str:
+    """The MLflow experiment a tenant's job logs to: its name, or ``<tenant>/<name>``
+    (a name already in the tenant's namespace is kept, so confining twice is a no-op)."""
+    if name is None or name == tenant or name.startswith(tenant + "/"):
+        return name or tenant
+    return f"{tenant}/{name}"
 
 
 def confine(spec: JobSpec, tenant: str, settings: Settings) -> JobSpec:

@@ -110,3 +110,18 @@ def test_the_service_fills_in_tracking_defaults_and_confines_servers(tmp_path):
             confine(spec.model_copy(update={"tracking": other}), "alice", settings)
     off = JobSpec.model_validate({**SPEC, "tracking": {}})
     assert confine(off, "alice", settings).tracking.mlflow_uri is None
+
+
+@pytest.mark.parametrize(
+    ("named", "stored"),
+    [(None, "alice"), ("bob", "alice/bob"), ("alice", "alice"), ("alice/runs", "alice/runs")],
+)
+def test_a_named_experiment_stays_in_the_tenants_namespace(tmp_path, named, stored):
+    """Tenants share the tracking server and a tenant's default experiment is its name:
+    a bare name must not reach another tenant's experiment."""
+    settings = Settings(data_dir=tmp_path)
+    tracking = {**SPEC["tracking"], "experiment": named}
+    spec = JobSpec.model_validate({**SPEC, "tracking": tracking})
+    confined = confine(spec, "alice", settings)
+    assert confined.tracking.experiment == stored
+    assert confine(confined, "alice", settings).tracking.experiment == stored
