@@ -34,13 +34,16 @@ class Usage:
     gpus: int = 0
 
 
-def ranks_of(spec: JobSpec) -> int:
-    """Ranks of the job at its smallest size (what admission reserves)."""
-    return spec.resources.lowest_dp * spec.resources.mp
+def quota_ranks(res: ResourcesSpec) -> int:
+    """Ranks a job counts for against its tenant's quotas: its largest size. An
+    elastic job starts at what fits and grows to max_dp as capacity returns, without
+    asking the control plane again, so only counting it whole keeps the tenant within
+    its quota."""
+    return res.highest_dp * res.mp
 
 
 def count_usage(usage: dict[int, Usage], tenant_id: int, res: ResourcesSpec) -> None:
-    ranks = res.lowest_dp * res.mp
+    ranks = quota_ranks(res)
     usage[tenant_id].ranks += ranks
     usage[tenant_id].gpus += ranks * res.gpus_per_rank
 
@@ -58,7 +61,7 @@ def active_usage(session: Session) -> dict[int, Usage]:
 def within_quota(session: Session, tenant_id: int, spec: JobSpec, usage: dict) -> bool:
     tenant = session.get(Tenant, tenant_id)
     held = usage[tenant_id]
-    ranks = ranks_of(spec)
+    ranks = quota_ranks(spec.resources)
     if tenant is None:
         return True
     if tenant.max_ranks is not None and held.ranks + ranks > tenant.max_ranks:
@@ -78,10 +81,14 @@ def check_submission(
         raise OverLimit(
             422, f"priority: {priority} is above this tenant's ceiling {tenant.max_priority}"
         )
-    ranks, gpus = ranks_of(spec), ranks_of(spec) * spec.resources.gpus_per_rank
+    ranks = quota_ranks(spec.resources)
+    gpus = ranks * spec.resources.gpus_per_rank
+    largest = "" if spec.resources.highest_dp == spec.resources.lowest_dp else " at max_dp"
     for name, need, limit in (("ranks", ranks, tenant.max_ranks), ("GPUs", gpus, tenant.max_gpus)):
         if limit is not None and need > limit:
-            raise OverLimit(422, f"resources: needs {need} {name}; this tenant's quota is {limit}")
+            raise OverLimit(
+                422, f"resources: needs {need} {name}{largest}; this tenant's quota is {limit}"
+            )
     queued = session.execute(
         select(func.count(Job.id)).where(
             Job.tenant_id == who.tenant_id, Job.status == JobState.QUEUED

@@ -106,6 +106,24 @@ def test_priority_ceilings_and_quotas_are_per_tenant(harness):
     assert _status(harness, theirs, bob)["status"] == "starting"  # bob is not held up
 
 
+def test_an_elastic_job_counts_at_its_largest_size_against_the_quota(harness):
+    """It grows to max_dp whenever capacity returns, without asking again: counted at
+    min_dp, one tenant's elastic jobs could take the whole cluster."""
+    c, admin = harness.client, harness.headers(harness.admin)
+    alice = harness.headers(harness.tenant_token("alice"))
+    assert c.put("/v1/tenants/alice/limits", json={"max_ranks": 4}, headers=admin).is_success
+    wide = {**TINY, "resources": {"dp": 2, "min_dp": 1, "max_dp": 8, "cpus_per_rank": 1}}
+    r = c.post("/v1/jobs", json={"spec": wide}, headers=alice)
+    assert r.status_code == 422, r.text
+    assert "needs 8 ranks at max_dp; this tenant's quota is 4" in r.text
+    elastic = {**TINY, "resources": {"dp": 2, "min_dp": 1, "max_dp": 3, "cpus_per_rank": 1}}
+    first = _submit(harness, alice, elastic)
+    second = _submit(harness, alice, elastic)
+    harness.tick()
+    assert _status(harness, first, alice)["status"] == "starting"
+    assert _status(harness, second, alice)["status"] == "queued"  # 3 + 3 > 4
+
+
 def test_tokens_are_rate_limited(database_url, tmp_path):
     h = Harness(database_url, tmp_path / "data", rate_per_s=0.001, rate_burst=4)
     try:
