@@ -145,6 +145,18 @@ class Scheduler:
     def _sync_job(self, session: Session, job: Job) -> None:
         seen_history = int((job.metrics or {}).get("history_seen", 0))
         snap = self.backend.poll(job.id, job.events_seen, job.logs_seen, seen_history)
+        cancelled = store.cancel_request(session, job)
+        if cancelled is not None and snap is None:
+            # [Note: a cancel is kept]
+            # A cancel reaches the supervisor that runs when it is made; one that
+            # finds none (gone, or not yet launched) is honoured here instead of a
+            # relaunch, and one that raced a relaunch is sent again below, every tick,
+            # until the job ends: an acknowledged cancel is never lost.
+            reap = getattr(self.backend, "reap", None)
+            if reap is not None:
+                reap(job.id)  # the ranks a lost supervisor left running
+            store.set_status(session, job, JobState.CANCELLED, "cancelled", cancelled)
+            return
         if snap is None and job.status == JobState.STARTING:
             self._launch(session, job, JobSpec.model_validate(job.spec))  # reconcile
             return
@@ -163,6 +175,8 @@ class Scheduler:
             limits.max_history_per_job,
         )
         st = snap["status"]
+        if cancelled is not None and not JobState(st["status"]).is_terminal:
+            self.backend.cancel(job.id, cancelled)  # idempotent
         job.attempts, job.current_dp, job.step = st["restarts"], st["dp"], st["step"]
         job.checkpoint_path = st.get("checkpoint_root", job.checkpoint_path)
         job.updated_at = utcnow()

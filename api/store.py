@@ -309,9 +309,25 @@ def cancel_queued(session: Session, job: Job, message: str) -> None:
 
 
 def record_cancel_request(session: Session, job: Job, tenant: str) -> None:
-    """A running job was asked to stop; its status follows from its supervisor."""
-    add_event(session, job, "request", "cancel", f"cancel requested by {tenant}")
+    """A running job was asked to stop; its status follows from its supervisor. The
+    request is kept: the scheduler honours it until the job ends (see [Note: a
+    cancel is kept])."""
+    by = f"cancelled by {tenant}"
+    add_event(session, job, "request", "cancel", f"cancel requested by {tenant}", {"by": by})
     session.commit()
+
+
+def cancel_request(session: Session, job: Job) -> str | None:
+    """The status message of the newest cancel request recorded for ``job``, or None."""
+    event = session.execute(
+        select(JobEvent)
+        .where(JobEvent.job_id == job.id, JobEvent.kind == "request", JobEvent.reason == "cancel")
+        .order_by(JobEvent.id.desc())
+        .limit(1)
+    ).scalar_one_or_none()
+    if event is None:
+        return None
+    return str((event.data or {}).get("by", "cancelled by request"))
 
 
 def _after(session: Session, table, job: Job, after: int, limit: int) -> list:

@@ -41,6 +41,8 @@ class FakeBackend:
         self.counted: list[JobSpec] = []
         self.refuse_launch: set[str] = set()
         """Jobs whose launch raises (a supervisor that cannot start)."""
+        self.missed: set[str] = set()
+        """Jobs whose supervisor misses the next cancel (it was not there yet)."""
         self.slow: set[str] = set()
         """Jobs whose supervisor does not answer a poll in time."""
         self.history_asked: list[int] = []
@@ -144,7 +146,14 @@ class FakeBackend:
             }
 
     def cancel(self, job_id: str, reason: str) -> None:
+        """As RayBackend's: nothing when the job has no supervisor; one in ``missed``
+        lets this cancel pass (it raced a relaunch) and hears the next."""
         self.cancelled.append(job_id)
+        if job_id not in self.jobs:
+            return
+        if job_id in self.missed:
+            self.missed.discard(job_id)
+            return
         self.move(job_id, "cancelled", "cancelled")
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:

@@ -346,6 +346,41 @@ def test_a_job_whose_supervisor_vanished_gets_a_new_one(harness):
     assert [e["reason"] for e in events].count("training") == 4  # 3 before, 1 after
 
 
+def test_a_cancel_that_finds_no_supervisor_is_honoured_not_relaunched(harness):
+    c, fake = harness.client, harness.backend
+    h = harness.headers(harness.tenant_token("alice"))
+    job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    harness.tick()
+    fake.move(job["id"], "running", "training", step=2)
+    harness.tick()
+    fake.lose_supervisor(job["id"])
+    assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=h).status_code == 200
+    harness.tick()
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert (got["status"], got["reason"], got["message"]) == (
+        "cancelled",
+        "cancelled",
+        "cancelled by alice",
+    )
+    assert fake.replaced == [] and job["id"] not in fake.jobs
+
+
+def test_a_cancel_the_supervisor_missed_is_sent_again_until_the_job_ends(harness):
+    c, fake = harness.client, harness.backend
+    h = harness.headers(harness.tenant_token("alice"))
+    job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    harness.tick()
+    fake.move(job["id"], "running", "training", step=2)
+    harness.tick()
+    fake.missed.add(job["id"])
+    assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=h).status_code == 200
+    assert c.get(f"/v1/jobs/{job['id']}", headers=h).json()["status"] == "running"
+    harness.tick()  # sent again
+    harness.tick()  # the supervisor's status read
+    assert c.get(f"/v1/jobs/{job['id']}", headers=h).json()["status"] == "cancelled"
+    assert fake.cancelled == [job["id"]] * 2
+
+
 def test_a_lost_supervisor_with_the_restart_budget_spent_fails_the_job(harness):
     c, fake = harness.client, harness.backend
     h = harness.headers(harness.tenant_token("alice"))
