@@ -346,13 +346,19 @@ def test_a_job_whose_supervisor_vanished_gets_a_new_one(harness):
     assert [e["reason"] for e in events].count("training") == 4  # 3 before, 1 after
 
 
+def _running(harness: Harness) -> tuple[dict, dict]:
+    """A job of alice's that its (fake) supervisor reports running; alice's headers."""
+    h = harness.headers(harness.tenant_token("alice"))
+    job = harness.client.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
+    harness.tick()
+    harness.backend.move(job["id"], "running", "training", step=2)
+    harness.tick()
+    return job, h
+
+
 def test_a_cancel_that_finds_no_supervisor_is_honoured_not_relaunched(harness):
     c, fake = harness.client, harness.backend
-    h = harness.headers(harness.tenant_token("alice"))
-    job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
-    harness.tick()
-    fake.move(job["id"], "running", "training", step=2)
-    harness.tick()
+    job, h = _running(harness)
     fake.lose_supervisor(job["id"])
     assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=h).status_code == 200
     harness.tick()
@@ -367,11 +373,7 @@ def test_a_cancel_that_finds_no_supervisor_is_honoured_not_relaunched(harness):
 
 def test_a_cancel_the_supervisor_missed_is_sent_again_until_the_job_ends(harness):
     c, fake = harness.client, harness.backend
-    h = harness.headers(harness.tenant_token("alice"))
-    job = c.post("/v1/jobs", json={"spec": TINY}, headers=h).json()
-    harness.tick()
-    fake.move(job["id"], "running", "training", step=2)
-    harness.tick()
+    job, h = _running(harness)
     fake.missed.add(job["id"])
     assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=h).status_code == 200
     assert c.get(f"/v1/jobs/{job['id']}", headers=h).json()["status"] == "running"
