@@ -85,6 +85,8 @@ its source is not identified, so it is left out rather than fitted.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -267,8 +269,33 @@ class _Units:
     """C_B padded to a multiple of N_d: the staging size and N_d x the ring's chunk."""
 
 
+_UNITS_CACHE: dict[tuple, _Units] = {}
+"""_units by what they depend on: the automatic configuration predicts hundreds of
+configurations that share a layout (they differ in micro-batch, checkpointing,
+offload...), and a 1024-layer model's layout takes tens of milliseconds."""
+
+
 def _units(c: PeakConfig) -> _Units:
-    """The engine's units (units.plan_layout) for the reference GPT, by name and size."""
+    """The engine's units (units.plan_layout) for the reference GPT, by name and size
+    (read only: shared between predictions of one layout)."""
+    key = (
+        tuple(asdict(c.gpt).items()),
+        c.mp,
+        c.dp,
+        c.stage,
+        c.bucket_elements,
+        c.prefetch_elements,
+    )
+    units = _UNITS_CACHE.get(key)
+    if units is None:
+        if len(_UNITS_CACHE) >= 256:
+            _UNITS_CACHE.clear()
+        units = _UNITS_CACHE[key] = _layout(c)
+    return units
+
+
+def _layout(c: PeakConfig) -> _Units:
+    """What _units caches."""
     from .flat import padded_size
     from .units import budgets
 
@@ -289,8 +316,11 @@ def _units(c: PeakConfig) -> _Units:
             module = name.split(".")[0]
             return "" if module == "wte" and c.gpt.tie_weights else module
 
-        names = ["", *[g for g in dict.fromkeys(owner(n) for n, _ in params) if g]]
-        raw = [_pack([(n, k) for n, k in params if owner(n) == g], cap) for g in names]
+        owned: dict[str, list[tuple[str, int]]] = {"": []}
+        for n, k in params:
+            owned.setdefault(owner(n), []).append((n, k))
+        names = list(owned)
+        raw = [_pack(owned[g], cap) for g in names]
     groups = [[padded_size(n, shard_world) for n, _ in g] for g in raw]
     sizes = [n for g in groups for n in g]
     tail = sum(padded_size(n, shard_world) for g in raw for n, last in g if last)
@@ -546,19 +576,26 @@ def _gathered_elements(units: _Units) -> int:
     runs, and the next ones in pass order ahead of use while all live units fit the
     prefetch budget. The forward and the backward (reverse order, without the
     embeddings, whose backward reads no weight) are walked; the larger is kept."""
-    b = units.budgets
+    budget = units.budgets.prefetch_elements
     flat = [(g, n) for g, sizes in enumerate(units.groups) for n in sizes]
     persistent, base = _persistent_and_root(units)
+    gathered = [0] * len(units.groups)  # per group, its units that are not persistent
+    for i, (g, n) in enumerate(flat):
+        if i not in persistent:
+            gathered[g] += n
     forward = list(range(1, len(units.groups)))
     backward = [g for g in reversed(forward) if units.names[g] not in ("wte", "wpe")]
     most = base
     for order in (forward, backward):
+        # Prefetch takes the next groups in order while all fit: with the prefix sums
+        # of their sizes, the last that fits is a binary search (walking ahead from
+        # every group was quadratic in the layers: minutes for a 1024-layer plan).
+        before = list(itertools.accumulate((gathered[g] for g in order), initial=0))
         for k, g in enumerate(order):
-            live = base + sum(n for i, (h, n) in enumerate(flat) if h == g and i not in persistent)
-            for nxt in order[k + 1 :]:
-                more = [n for i, (h, n) in enumerate(flat) if h == nxt and i not in persistent]
-                if live + sum(more) > b.prefetch_elements:
-                    break
-                live += sum(more)
+            live = base + gathered[g]
+            room = budget - live
+            if room >= 0:
+                last = bisect.bisect_right(before, before[k + 1] + room) - 1
+                live += before[last] - before[k + 1]
             most = max(most, live)
     return most
