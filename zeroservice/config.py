@@ -64,7 +64,7 @@ def _check_types(config: Any, prefix: str = "") -> None:
         kind = next(o for o in options if o is not type(None))
         name = prefix + f.name
         if kind is bool:
-            _require(isinstance(value, bool), name, f"{_shown(value)} must be true or false")
+            _require(isinstance(value, bool), name, "must be true or false")
         elif kind is int:
             _require(
                 _is_int(value) and abs(value) <= MAX_COUNT,

@@ -265,9 +265,9 @@ def test_loss_scaler_backs_off_with_hysteresis_and_grows_back():
         ({"lr_schedule": {"kind": "linear", "total_steps": "9"}}, "lr_schedule.total_steps: '9'"),
         ({"loss_scale": "x"}, r"^loss_scale: 'x' must be an object"),
         ({"loss_scale": {"hysteresis": 1.5}}, "loss_scale.hysteresis: 1.5 must be an integer"),
-        ({"overlap_comm": {"a": 1}}, r"^overlap_comm: \{'a': 1\} must be true or false"),
-        ({"fuse_optimizer": [1]}, r"^fuse_optimizer: \[1\] must be true or false"),
-        ({"stage3_check_gathers": "yes"}, r"^stage3_check_gathers: 'yes' must be true or"),
+        ({"overlap_comm": {"a": 1}}, r"^overlap_comm: must be true or false$"),
+        ({"fuse_optimizer": [1]}, r"^fuse_optimizer: must be true or false$"),
+        ({"stage3_check_gathers": "yes"}, r"^stage3_check_gathers: must be true or false$"),
         ({"gradient_accumulation_steps": True}, "gradient_accumulation_steps: True must be an"),
         ({"bucket_elements": 2**1000}, r"^bucket_elements: 10715086071862673\d+\.\.\. must be"),
         (
