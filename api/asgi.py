@@ -1,10 +1,26 @@
-"""Two pieces the ASGI middlewares share: a body read once and replayed to the app,
-and a JSON error answered before any route runs."""
+"""What the ASGI middlewares share: a body read once and replayed to the app, and a
+JSON error answered before any route runs."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+
+async def read_body(receive: Any, max_bytes: int | None = None) -> bytes | None:
+    """The request's whole body, or None once it passes ``max_bytes``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            return b"".join(chunks)
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if max_bytes is not None and size > max_bytes:
+            return None
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def replay(body: bytes, receive: Any) -> Any:

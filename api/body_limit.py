@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .asgi import replay, send_error
+from .asgi import read_body, replay, send_error
 
 Scope = dict[str, Any]
 
@@ -24,25 +24,11 @@ class BodyLimit:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._refuse(send)
             return
-        body = await self._read(receive)
+        body = await read_body(receive, self.max_bytes)
         if body is None:
             await self._refuse(send)
             return
         await self.app(scope, replay(body, receive), send)
-
-    async def _read(self, receive: Any) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b"".join(chunks)
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return None
-            if not message.get("more_body", False):
-                return b"".join(chunks)
 
     async def _refuse(self, send: Any) -> None:
         detail = f"body: larger than {self.max_bytes} bytes (ZEROSERVICE_MAX_BODY_BYTES)"

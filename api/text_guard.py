@@ -9,7 +9,7 @@ import json
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from .asgi import replay, send_error
+from .asgi import read_body, replay, send_error
 
 Scope = dict[str, Any]
 
@@ -53,7 +53,7 @@ class TextGuard:
         ):
             await send_error(send, 422, "url: a NUL character is refused")
             return
-        body = await _read(receive)
+        body = await read_body(receive) or b""
         where = _where_in_body(body)
         if where is not None:
             detail = f"{where}: text with a NUL character or an unpaired surrogate is refused"
@@ -70,15 +70,3 @@ def _where_in_body(body: bytes) -> str | None:
     except ValueError:
         return None  # not JSON: the route answers it
     return bad_string_path(data)
-
-
-async def _read(receive: Any) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)

@@ -85,7 +85,7 @@ def run_local(
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: {backend!r} is not 'gloo' or 'nccl'")
     ctx = mp.get_context("spawn")
-    store = _open_store(timeout_s)
+    store = host_store(timeout_s)
     port = int(store.port)
     with tempfile.TemporaryDirectory(prefix="zeroservice-run-") as outdir:
         procs = [
@@ -120,7 +120,7 @@ def run_local(
         return [torch.load(Path(outdir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-def _open_store(timeout_s: float) -> dist.TCPStore:
+def host_store(timeout_s: float) -> dist.TCPStore:
     """The group's store, served by this process on a port the kernel picks.
 
     [Note: the launcher holds the store]

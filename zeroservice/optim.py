@@ -220,10 +220,10 @@ class ShardedOptimizer:
                     )
         for group, base in zip(groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
-        self._written_lrs = [float(g["lr"]) for g in groups]
+        self.adopt_lrs()
 
     def adopt_lrs(self) -> None:
-        """The groups' rates as they are now count as the engine's (after a load)."""
+        """The groups' rates as they are now count as the engine's (set, or loaded)."""
         self._written_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def global_grad_norm(self, grads: list[torch.Tensor], loss_scale: float) -> float:

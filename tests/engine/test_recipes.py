@@ -4,7 +4,6 @@ without close()."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import os
 import subprocess
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.engine.harness import assert_matches_ddp
 from tests.engine.recipe_scenarios import (
@@ -25,7 +23,7 @@ from tests.engine.recipe_scenarios import (
     stage2_staging,
 )
 from zeroservice.config import ConfigError, check_collectives
-from zeroservice.launch import run_local
+from zeroservice.launch import host_store, run_local
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,13 +68,7 @@ def test_auto_takes_the_ring_on_gloo_for_host_tensors_only():
 def _pair(*extra: str) -> Iterator[list[subprocess.Popen]]:
     """The two ranks of one job of exit_script.py, around the group's store (held
     here for the pair's life: see [Note: the launcher holds the store])."""
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    store = host_store(300)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "tests.engine.exit_script"]
     ranks = [
