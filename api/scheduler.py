@@ -33,9 +33,11 @@ the job, starts a new supervisor with the job's restart count so far plus one. T
 ranks and their placement group are detached and named after the job, so they
 outlive the lost supervisor: the new one begins in ``resizing``, finds them, waits
 until the call the old one made is over (train or save, under the watchdog), takes
-that chunk's report, saves if the old one did not, and goes on with them. Without a
-complete, answering group it removes what is left and places a new group that loads
-the newest sound checkpoint. The job keeps its stored events, logs and history; the
+the ranks' reports since their last save and the points that save carried (what the
+old one may have held unread), saves if the old one did not, and goes on with them.
+Without a complete, answering group, or with one whose last call failed on a rank (a
+call that reached only some ranks leaves the others' collectives timed out), it
+removes what is left and places a new group that loads the newest sound checkpoint. The job keeps its stored events, logs and history; the
 positions read from the supervisor start again at 0. Only a spent restart budget
 (``max_restarts``) fails the job, as ``supervisor_lost`` (its leftover ranks
 removed).

@@ -74,7 +74,7 @@ from .job_states import (
     State,
     Succeeded,
 )
-from .messages import RankChunk, RankProgress, RankSetup
+from .messages import RankChunk, RankIdle, RankProgress, RankSetup
 from .spec import JobSpec
 from .state import check_transition
 from .tracking import NoTracking, Tracking
@@ -232,8 +232,18 @@ class JobController:
             return None
         stop, idle = self._watch(group, "settle")
         steps = {i.progress.step for i in idle if i is not None}
-        if stop is not None or len(steps) != 1:
+        broken = [(r, i.failed) for r, i in enumerate(idle) if i is not None and i.failed]
+        if stop is not None or len(steps) != 1 or broken:
             group.shutdown(clean=False)
+            if broken and not self.cancel.is_set():
+                rank, why = broken[0]
+                self.record.event(
+                    "resize",
+                    "adoption_refused",
+                    f"the lost supervisor's last call failed on {self._describer(group)(rank)}"
+                    f" ({why}): its group cannot go on; restarting from the newest checkpoint",
+                    ranks=[r for r, _ in broken],
+                )
             return self._cancelled() if self.cancel.is_set() else None
         group.setups = [i.setup for i in idle]
         (step,) = steps
@@ -241,10 +251,7 @@ class JobController:
         self._note_size(group.dp)
         with self.record.lock:
             self.record.step = max(saved, group.setups[0].start_step)
-        chunks = [i.last_chunk for i in idle if i.last_chunk is not None]
-        if len(chunks) == group.world:  # the chunk whose report the lost supervisor missed
-            self.record.add_chunk(chunks, {})
-            self._add_points(chunks, group.dp)
+        self._recover_history(idle, group.dp)
         mp = self.spec.resources.mp
         self.record.event(
             "placed",
@@ -259,6 +266,17 @@ class JobController:
         return Running(
             group=group, step=step, message=f"dp {group.dp} × mp {mp}", save_first=unsaved
         )
+
+    def _recover_history(self, idle: list[RankIdle], dp: int) -> None:
+        """The steps a lost supervisor may have held without the control plane having
+        polled them: those its last save carried, then the ranks' reports since (each
+        step is kept once, so those already stored are harmless)."""
+        saved = {p["step"]: p for i in idle for p in i.saved_history}
+        self.record.add_points([saved[s] for s in sorted(saved)])
+        chunks = [i.since_save for i in idle if i.since_save.steps]
+        if chunks:
+            self.record.add_chunk(chunks, {})
+            self._add_points(chunks, dp)
 
     def _note_size(self, dp: int) -> None:
         previous = self.record.dp

@@ -96,8 +96,17 @@ class RankIdle:
 
     progress: RankProgress
     setup: RankSetup
-    last_chunk: RankChunk | None
-    """The report of its last chunk (its caller may have been lost)."""
+    since_save: RankChunk
+    """Its step reports since its last save, as one chunk: the lost supervisor may not
+    have handed them on (nor even received the last chunk's)."""
+    saved_history: list[dict[str, Any]] = field(default_factory=list)
+    """The history points its last save carried (or the checkpoint it loaded): those
+    the lost supervisor held until that save, which the control plane may not have
+    polled before it was lost."""
+    failed: str = ""
+    """How its last call ended when it raised (say a collective its peers never joined,
+    when the lost supervisor's call reached only some ranks): its group is broken, and
+    a new supervisor must not go on with it."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import gc
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,14 @@ class RankWorker:
         self.saved_step = -1
         self._busy = threading.Lock()
         """Held by train and save: one of them at a time, and settle() waits for it."""
+        self._failed = ""
+        """How the last train or save ended if it raised (``RankIdle.failed``)."""
         self._setup: RankSetup | None = None
-        self._last_chunk: RankChunk | None = None
+        self._since_save: dict[int, dict[str, Any]] = {}
+        """Step reports since the last save, by step (``RankIdle.since_save``)."""
+        self._saved_history: list[dict[str, Any]] = []
+        """The points the last save carried (``RankIdle.saved_history``)."""
+        self._last_stats: dict[str, Any] = {}
         self._unreported: list[dict[str, Any]] = []
         """This chunk's step reports so far (see ``RankSetup.unreported``)."""
         self._loaded_history: list[dict[str, Any]] = []
@@ -377,6 +384,7 @@ class RankWorker:
         self.step = int(result.client_state.get("step", result.step))
         self.tokens = int(result.client_state.get("tokens", 0))
         self._loaded_history = list(result.client_state.get("history", []))
+        self._saved_history, self._since_save = self._loaded_history, {}
         return str(result.path)
 
     def _ready(
@@ -428,7 +436,9 @@ class RankWorker:
             history=self._loaded_history,
             phases=laps.seconds if laps is not None else {},
         )
+        self._since_save = {s: r for s, r in self._since_save.items() if s <= self.step}
         self._loaded_history = []
+        self._failed = ""  # a call that failed in the group this one replaces
         self._membership = {
             "group": self._rendezvous,
             "rank": self.rank,
@@ -447,10 +457,22 @@ class RankWorker:
     # -- training -------------------------------------------------------------------------
     def train(self, until: int) -> RankChunk:
         """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches)."""
-        with self._busy:
+        with self._call():
             self._unreported = []
-            self._last_chunk = self._train(until)
-            return self._last_chunk
+            chunk = self._train(until)
+            self._last_stats = chunk.stats
+            return chunk
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """One train or save at a time (``_busy``), remembering whether it raised."""
+        with self._busy:
+            self._failed = ""
+            try:
+                yield
+            except BaseException as exc:
+                self._failed = f"{type(exc).__name__}: {exc}"[:500]
+                raise
 
     def _train(self, until: int) -> RankChunk:
         engine, spec = self.engine, self.spec
@@ -502,6 +524,7 @@ class RankWorker:
                 }
             )
             self._unreported.append(steps[-1])
+            self._since_save[self.step] = steps[-1]
             if self.live:  # the slowest rank's seconds, the largest peak (this rank's if lost)
                 steps[-1]["seconds"], steps[-1]["peak_bytes"] = self._agree_most(seconds, peak)
         self._phase = RankPhase.IDLE
@@ -632,7 +655,7 @@ class RankWorker:
         from zeroservice.checkpoint import SaveFailed
 
         assert self.engine is not None
-        with self._busy:
+        with self._call():
             self._phase = RankPhase.CHECKPOINT
             try:
                 path = self.engine.save_checkpoint(
@@ -649,6 +672,8 @@ class RankWorker:
             finally:
                 self._phase = RankPhase.IDLE
             self.saved_step = self.step
+            self._saved_history = list(history or [])
+            self._since_save = {s: r for s, r in self._since_save.items() if s > self.step}
             return RankSaved(str(path))
 
     def interrupt(self, lost: list[int]) -> None:
@@ -667,7 +692,12 @@ class RankWorker:
         is over; what a new supervisor needs to adopt this rank."""
         with self._busy:
             assert self._setup is not None, "never set up"
-            return RankIdle(self.progress(), self._setup, self._last_chunk)
+            reports = [self._since_save[s] for s in sorted(self._since_save)]
+            losses = {r["step"]: r["loss"] for r in reports}
+            since_save = RankChunk(self.rank, self.step, losses, self._last_stats, reports)
+            return RankIdle(
+                self.progress(), self._setup, since_save, self._saved_history, self._failed
+            )
 
     # -- watchdog and stats --------------------------------------------------------------
     def progress(self) -> RankProgress:

@@ -57,16 +57,21 @@ class ScriptedRank:
         self.phase = "created"
         self.frozen = False
         self.saved_step = -1
-        self.last_chunk: RankChunk | None = None
+        self.since_save: dict[int, float] = {}
+        """Losses of the steps trained since its last save (``RankIdle.since_save``)."""
+        self.saved_history: list[dict[str, Any]] = []
         self.copied = 0
         """The step of this rank's last host copy."""
         self.interrupted = threading.Event()
+        self.failed = ""
+        """How its last train ended if it raised (``RankIdle.failed``)."""
         script.living[id(self)] = self
 
     def setup(self, *args: Any) -> RankSetup:
         if self.attempt in self.script.fail_setup and self.rank == 0:
             raise RuntimeError("the rendezvous timed out")
         self.step = self.script.saved
+        self.saved_history, self.since_save = list(self.script.saved_history), {}
         loaded = f"step-{self.step:08d}" if self.step else None
         self.phase = "ready"
         self.setup_info = RankSetup(
@@ -82,8 +87,14 @@ class ScriptedRank:
 
     def train(self, until: int) -> RankChunk:
         self.unreported: dict[int, float] = {}
-        self.last_chunk = self._train(until)
-        return self.last_chunk
+        self.failed = ""
+        try:
+            chunk = self._train(until)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            raise
+        self.since_save.update(chunk.losses)
+        return chunk
 
     def regroup(self, world: int, rank: int, restarts: int, grow: bool) -> RankSetup:
         """As RankWorker.regroup: the members restore the step their copies share (to
@@ -120,7 +131,14 @@ class ScriptedRank:
         return self.setup_info
 
     def settle(self) -> RankIdle:
-        return RankIdle(self.progress(), self.setup_info, self.last_chunk)
+        steps = [
+            {"step": s, "loss": x, "seconds": 0.1, "tokens": 64}
+            for s, x in sorted(self.since_save.items())
+        ]
+        since_save = RankChunk(self.rank, self.step, dict(self.since_save), {}, steps)
+        return RankIdle(
+            self.progress(), self.setup_info, since_save, self.saved_history, self.failed
+        )
 
     def _train(self, until: int) -> RankChunk:
         losses = {}
@@ -170,6 +188,8 @@ class ScriptedRank:
                 self.script.on_kill()
             raise RankDied(self.rank, "the actor died unexpectedly")
         self.saved_step = self.step
+        self.saved_history = list(history or [])
+        self.since_save = {}
         return RankSaved(path)
 
     def progress(self) -> RankProgress:

@@ -299,6 +299,29 @@ def test_a_replacement_supervisor_adopts_the_running_ranks():
     assert [h["step"] for h in ctl.record.history_since(0)[0]] == list(range(5, 13))
 
 
+def test_a_replacement_supervisor_hands_on_the_steps_its_predecessor_held():
+    """The lost supervisor saved at step 8 (the save carried steps 5-8) and its ranks
+    trained on to 10; the control plane had polled none of steps 5-10 when it was
+    lost. The new supervisor hands on each of them once: the save's points from the
+    ranks, then their reports since."""
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    group = pool.start(pool.place(2, 2, 60), 0)
+    held = [{"step": s, "steps": 1, "loss": 1.0 / s} for s in range(5, 9)]
+    for rank in group.ranks:
+        rank.train(4)
+        rank.save(2)
+        rank.train(8)
+        rank.save(2, held)
+        rank.train(10)  # its supervisor died before the chunk's report reached it
+    pool.orphan = group
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool)
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and pool.attempts == 1
+    assert [h["step"] for h in ctl.record.history_since(0)[0]] == list(range(5, 13))
+    assert sorted(ctl.record.losses) == list(range(9, 13))
+
+
 def test_a_replacement_supervisor_falls_back_on_the_checkpoint_without_its_ranks():
     script = Script()
     pool = scripted_pool(script, capacity=2)
@@ -310,6 +333,29 @@ def test_a_replacement_supervisor_falls_back_on_the_checkpoint_without_its_ranks
     (placed,) = _events(ctl, "placed")
     assert placed["reason"] == "started" and placed["from_checkpoint"] == "step-00000004"
     assert ctl.record.restarts == 1  # the control plane counted this restart
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED
+
+
+def test_a_replacement_supervisor_does_not_adopt_a_group_whose_last_call_failed():
+    """The lost supervisor's last call reached rank 1 only: rank 0 never joined its
+    collective, so rank 1's call ended in the group's timeout (a broken pair). Both
+    ranks stand at the same step, but going on with that group would fail its next
+    collective: the job restarts from the checkpoint instead."""
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    orphan = _orphan(script, pool, trained_to=8)
+    script.error.add((1, 1, 9))
+    with pytest.raises(ValueError):
+        orphan.ranks[1].train(12)
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool)
+    assert _steps(ctl, 1) == [(Resizing, Running)]
+    assert ctl.group is not orphan and pool.attempts == 2
+    (refused,) = [e for e in _events(ctl, "resize") if e["reason"] == "adoption_refused"]
+    assert refused["ranks"] == [1] and "rank 1 (dp 1, mp 0" in refused["message"]
+    assert "ValueError: loss is nan at step 9" in refused["message"]
+    (placed,) = _events(ctl, "placed")
+    assert placed["reason"] == "started" and placed["from_checkpoint"] == "step-00000004"
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED
 

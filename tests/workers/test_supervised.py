@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -129,6 +130,11 @@ def test_a_supervisor_lost_after_a_live_resize_adopts_the_resized_group(local_ra
     os.kill(local_ray.get(first.ranks.remote())[1]["pid"], signal.SIGKILL)
     wait_for(lambda: seen("resize", "grown"), 180, "the live grow-back", events)
     assert seen("placed", "regrouped"), events()
+    # Kill it inside the chunk after the grow, not while that chunk's calls are on
+    # their way: a kill there can leave a call on one rank only, and then the group is
+    # not adopted but restarted from the checkpoint (test_controller's
+    # test_a_replacement_supervisor_does_not_adopt_a_group_whose_last_call_failed).
+    time.sleep(2.0)
     os.kill(local_ray.get(first.process_id.remote()), signal.SIGKILL)
     adopted = wait_for(lambda: seen("placed", "adopted"), 180, "the adoption", events)
     assert "2 running ranks" in adopted[0][2], adopted
@@ -141,6 +147,7 @@ def test_a_supervisor_lost_after_a_live_resize_adopts_the_resized_group(local_ra
     wait_for(lambda: job()["status"] == "cancelled", 120, "the cancel", job)
     history = h.client.get(f"/v1/jobs/{job_id}/metrics", headers=auth).json()["history"]
     steps = [p["step"] for p in history]
-    assert steps == list(range(1, len(steps) + 1)), steps
+    missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))
+    assert steps == list(range(1, len(steps) + 1)), (missing, events())
     h.client.close()
     h.service.engine.dispose()
