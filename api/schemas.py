@@ -14,7 +14,9 @@ STATUSES: tuple[str, ...] = tuple(JobState)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False, strict=True
+    )
 
 
 class JobSubmit(_Body):

@@ -29,8 +29,14 @@ def _plain_relative(path: str) -> bool:
 
 
 class _Strict(BaseModel):
+    """Strict types too: ``"2"``, ``true`` or ``2.0`` for a count is an error, not 2 or 1."""
+
     model_config = ConfigDict(
-        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+        allow_inf_nan=False,
+        strict=True,
     )
 
 
@@ -193,6 +199,12 @@ class OptimizerSpec(_Strict):
     momentum: float = Field(0.0, ge=0, lt=1)
     """SGD momentum."""
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_json(cls, value: Any) -> Any:
+        """A JSON or YAML array is the pair (strict mode takes only a tuple)."""
+        return tuple(value) if isinstance(value, list) else value
+
     @field_validator("betas")
     @classmethod
     def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
@@ -212,8 +224,9 @@ class ResourcesSpec(_Strict):
     """The job grows back up to this many replicas when capacity returns (default: dp)."""
     gpus_per_rank: Literal[0, 1] = 0
     """1: each rank takes one GPU (NCCL); 0: CPU ranks (gloo)."""
-    cpus_per_rank: float = Field(1.0, gt=0, le=256)
-    """CPUs reserved per rank (fractions let ranks share cores)."""
+    cpus_per_rank: float = Field(1.0, ge=0.0001, le=256)
+    """CPUs reserved per rank (fractions let ranks share cores, down to Ray's
+    precision of 0.0001)."""
     host_allocator: Literal["huge", "mapped", "inherit"] | None = None
     """How the ranks hold host memory, set in the environment they start with.
     ``huge`` (unset: the same): torch backs every host block of 2 MiB or more with
