@@ -47,6 +47,40 @@ def test_non_finite_numbers_are_refused_naming_the_field(harness, literal, path,
     assert _jobs_stored(harness) == 0
 
 
+@pytest.mark.parametrize(
+    "path,literal",
+    [
+        ("resources.dp", '"2"'),
+        ("resources.dp", "true"),
+        ("resources.dp", "2.0"),
+        ("steps", '"10"'),
+        ("model.n_layer", "false"),
+        ("model.tie_weights", "1"),
+        ("optimizer.lr", '"0.001"'),
+        ("resources.cpus_per_rank", "5e-324"),
+        ("resources.cpus_per_rank", "0.00009"),
+    ],
+)
+def test_values_of_another_type_are_refused_naming_the_field(harness, path, literal):
+    """A count given as a string, a boolean or a float is not coerced (``true`` is not
+    1 replica), and CPUs finer than Ray's precision would fail only at placement."""
+    h = {**harness.headers(harness.tenant_token("alice")), "Content-Type": "application/json"}
+    for route in ("/v1/jobs", "/v1/plan"):
+        r = harness.client.post(route, content=_raw(_with(path, literal)), headers=h)
+        assert r.status_code == 422, (route, r.text)
+        assert path.split(".")[-1] in r.text
+    assert _jobs_stored(harness) == 0
+
+
+@pytest.mark.parametrize("priority", ['"1"', "true", "1.5"])
+def test_a_priority_of_another_type_is_refused(harness, priority):
+    h = {**harness.headers(harness.tenant_token("alice")), "Content-Type": "application/json"}
+    body = b'{"spec": ' + json.dumps(TINY).encode() + b', "priority": ' + priority.encode() + b"}"
+    r = harness.client.post("/v1/jobs", content=body, headers=h)
+    assert r.status_code == 422 and "priority" in r.text, r.text
+    assert _jobs_stored(harness) == 0
+
+
 def test_non_finite_numbers_in_free_form_json_are_refused(harness):
     h = {**harness.headers(harness.tenant_token("alice")), "Content-Type": "application/json"}
     spec = (
