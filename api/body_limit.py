@@ -11,7 +11,8 @@ Scope = dict[str, Any]
 
 class BodyLimit:
     """ASGI middleware: the body is read (at most ``max_bytes``) before the app runs,
-    then replayed to it; a declared or actual larger body gets 413."""
+    then replayed to it; a declared or actual larger body gets 413, a declared length
+    that is not a number 400."""
 
     def __init__(self, app: Any, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -21,7 +22,10 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+        if declared is not None and not declared.isdigit():
+            await send_error(send, 400, "Content-Length: not a whole number of bytes")
+            return
+        if declared is not None and int(declared) > self.max_bytes:
             await self._refuse(send)
             return
         body = await read_body(receive, self.max_bytes)

@@ -37,10 +37,10 @@ the ranks' reports since their last save and the points that save carried (what 
 old one may have held unread), saves if the old one did not, and goes on with them.
 Without a complete, answering group, or with one whose last call failed on a rank (a
 call that reached only some ranks leaves the others' collectives timed out), it
-removes what is left and places a new group that loads the newest sound checkpoint. The job keeps its stored events, logs and history; the
-positions read from the supervisor start again at 0. Only a spent restart budget
-(``max_restarts``) fails the job, as ``supervisor_lost`` (its leftover ranks
-removed).
+removes what is left and places a new group that loads the newest sound checkpoint.
+The job keeps its stored events, logs and history; the positions read from the
+supervisor start again at 0. Only a spent restart budget (``max_restarts``) fails
+the job, as ``supervisor_lost`` (its leftover ranks removed).
 """
 
 from __future__ import annotations

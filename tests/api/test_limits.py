@@ -150,3 +150,28 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(harness):
     ok = json.dumps({"spec": TINY}) + " " * (limit - len(json.dumps({"spec": TINY})))
     assert harness.client.post("/v1/jobs", content=ok.encode(), headers=h).status_code == 201
     assert _jobs_stored(harness) == 1
+
+
+@pytest.mark.parametrize("declared", [b"ten", b"-1", b"1e3", b" 12"])
+def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
+    """Answered by the middleware itself (a client cannot send such a header through
+    httpx), before any body is read or any route runs."""
+    import asyncio
+
+    from api.body_limit import BodyLimit
+
+    async def app(scope, receive, send):
+        raise AssertionError("the route ran")
+
+    async def receive():
+        raise AssertionError("the body was read")
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", declared)]}
+    asyncio.run(BodyLimit(app, 2**20)(scope, receive, send))
+    assert sent[0]["status"] == 400
+    assert b"Content-Length: not a whole number of bytes" in sent[1]["body"]
