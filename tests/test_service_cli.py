@@ -189,3 +189,28 @@ def test_compare_draws_two_jobs_on_one_chart(tmp_path, monkeypatch, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
     drawn = compare([(client.job("a"), history_pages(client, "a"))], tmp_path / "one.png")
     assert drawn.stat().st_size > 10_000
+
+
+def test_a_yaml_job_file_reads_exponents_as_numbers(tmp_path):
+    """``lr: 3e-4`` is a number (YAML 1.2, JSON), not PyYAML's YAML 1.1 string, so the
+    strict job spec takes it; words and quoted exponents stay strings."""
+    from workers.spec import JobSpec
+    from zscli.service_cli import _load_spec
+
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "name: e3\nsteps: 1e3\nmodel: {dim: 32, n_head: 4}\n"
+        "optimizer: {lr: 3e-4, eps: 1.0E-8, betas: [0.9, 0.95], weight_decay: -1_0e-1}\n"
+        "data: {kind: synthetic, seed: 7}\ntracking: {experiment: '1e3'}\n"
+    )
+    loaded = _load_spec(str(path))
+    assert loaded["optimizer"] == {
+        "lr": 3e-4,
+        "eps": 1e-8,
+        "betas": [0.9, 0.95],
+        "weight_decay": -1.0,
+    }
+    assert loaded["tracking"]["experiment"] == "1e3" and loaded["name"] == "e3"
+    assert isinstance(loaded["steps"], float)  # a count written 1e3 is refused by name
+    spec = dict(loaded, steps=10, optimizer={**loaded["optimizer"], "weight_decay": 0.0})
+    assert JobSpec.model_validate(spec).optimizer.lr == 3e-4

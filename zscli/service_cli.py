@@ -58,8 +58,24 @@ def _load_spec(path: str) -> dict[str, Any]:
     if path.endswith((".yaml", ".yml")):
         import yaml
 
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader
     return json.loads(text)
+
+
+def _yaml_loader() -> type:
+    """A SafeLoader that reads ``3e-4`` as the number it is in YAML 1.2 and JSON:
+    PyYAML follows YAML 1.1, where a float needs a dot, so ``lr: 3e-4`` would be the
+    string "3e-4", which the job spec's strict types refuse."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
+    return Loader
 
 
 def _submit(args: argparse.Namespace) -> int:
