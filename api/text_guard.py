@@ -1,11 +1,13 @@
 """Text the store cannot hold is refused at the door: a NUL character (PostgreSQL's
 text refuses it) or an unpaired UTF-16 surrogate (no UTF-8 encodes it, so a job
 stored with one could never be read back), anywhere in the URL or in a JSON body's
-keys and strings. 422 names where; nothing reaches a route."""
+keys and strings. 422 names where; nothing reaches a route. So is JSON that Python
+reads only past its own limits (a number of thousands of digits, deep nesting)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -54,19 +56,27 @@ class TextGuard:
             await send_error(send, 422, "url: a NUL character is refused")
             return
         body = await read_body(receive) or b""
-        where = _where_in_body(body)
-        if where is not None:
-            detail = f"{where}: text with a NUL character or an unpaired surrogate is refused"
-            await send_error(send, 422, detail)
+        refused = _refused_body(body)
+        if refused is not None:
+            await send_error(send, 422, refused)
             return
         await self.app(scope, replay(body, receive), send)
 
 
-def _where_in_body(body: bytes) -> str | None:
+def _refused_body(body: bytes) -> str | None:
+    """Why a JSON body is refused before any route reads it, or None. JSON that Python
+    reads only past its own limits (an integer of more than 4300 digits, nesting deeper
+    than the interpreter's recursion) is bad input too, not a body that failed to parse."""
     if not body:
         return None
     try:
-        data = json.loads(body)
-    except ValueError:
+        where = bad_string_path(json.loads(body))
+    except json.JSONDecodeError:
         return None  # not JSON: the route answers it
-    return bad_string_path(data)
+    except ValueError:  # int() refuses that many digits
+        return f"body: a number has more than {sys.get_int_max_str_digits()} digits"
+    except RecursionError:
+        return "body: nested too deep"
+    if where is None:
+        return None
+    return f"{where}: text with a NUL character or an unpaired surrogate is refused"

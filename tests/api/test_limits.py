@@ -175,3 +175,19 @@ def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
     asyncio.run(BodyLimit(app, 2**20)(scope, receive, send))
     assert sent[0]["status"] == 400
     assert b"Content-Length: not a whole number of bytes" in sent[1]["body"]
+
+
+@pytest.mark.parametrize(
+    "body,detail",
+    [
+        (b'{"spec": {"steps": ' + b"9" * 5000 + b"}}", "body: a number has more than 4300 digits"),
+        (b"[" * 3000 + b"]" * 3000, "body: nested too deep"),
+        (b'{"spec": {"model": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5002, "body: nested too deep"),
+    ],
+)
+def test_json_past_the_parsers_limits_is_refused_as_bad_input(harness, body, detail):
+    """A 422 naming the body, like any bad input: not a 400 'error parsing the body'."""
+    h = {**harness.headers(harness.tenant_token("alice")), "Content-Type": "application/json"}
+    r = harness.client.post("/v1/jobs", content=body, headers=h)
+    assert r.status_code == 422 and r.json()["detail"] == detail, r.text
+    assert _jobs_stored(harness) == 0
