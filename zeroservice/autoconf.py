@@ -12,7 +12,9 @@ the peak model does not count), times ``1 + margin``, is at most the budget: the
 so the default margin of 10% keeps a chosen configuration under the budget when
 measured. Among those that fit it takes the least predicted step time; ties go to the
 smaller peak. Nothing fits: ``fits`` is False, and the reason names the smallest
-requirement against the budget.
+requirement against the budget. With ``device="cuda"`` the budget is the GPU's: the
+peak is the CUDA allocator's, and what offload moves to the host does not count against
+it (see [Note: peak on a GPU] in peak.py).
 
 The step time is a model, not a measurement: the training FLOPs of this rank's share of
 the micro-batch (``GPTConfig.flops_per_token``, / N_m; checkpointing adds one forward,
@@ -114,6 +116,7 @@ class AutoChoice:
             "choice": self.choice.as_dict() if self.choice else None,
             "smallest": self.smallest.as_dict(),
             "budget_bytes": self.budget_bytes,
+            "device": self.smallest.config.device,
             "margin": self.margin,
             "reserve_bytes": self.reserve_bytes,
             "considered": len(self.candidates),
@@ -130,6 +133,7 @@ def auto_configure(
     micro_batch: int = 1,
     seq_len: int | None = None,
     mp: int | None = None,
+    device: str = "cpu",
     margin: float = 0.10,
     reserve_bytes: int = RUNTIME_RESERVE,
     flops_per_second: float = 5e10,
@@ -139,7 +143,8 @@ def auto_configure(
 ) -> AutoChoice:
     """The configuration with the least predicted step time whose predicted peak, with
     ``margin``, fits ``memory_per_rank`` bytes. See [Note: automatic configuration].
-    ``mp``: weigh only that N_m (an elastic job's replicas keep their size)."""
+    ``mp``: weigh only that N_m (an elastic job's replicas keep their size).
+    ``device``: "cpu" (the budget is resident host memory) or "cuda" (GPU memory)."""
     from .models.gpt import GPTConfig
 
     if not isinstance(gpt, GPTConfig):
@@ -174,10 +179,12 @@ def auto_configure(
         raise ValueError(f"margin: must be in [0, 1), got {margin}")
     if precision not in PARAM_BYTES:
         raise ValueError(f"precision: {precision!r} is not one of {list(PARAM_BYTES)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r} is not 'cpu' or 'cuda'")
     rates = (flops_per_second, link_bytes_per_second, host_bytes_per_second, collective_seconds)
     candidates = [
         AutoCandidate(c, predict_peak(c), _step_seconds(c, *rates))
-        for c in _configurations(gpt, world, precision, micro_batch, seq_len)
+        for c in _configurations(gpt, world, precision, micro_batch, seq_len, device)
         if mp is None or c.mp == mp
     ]
     smallest = min(candidates, key=lambda a: (a.peak.peak, a.step_seconds))
@@ -212,7 +219,7 @@ def _need(margin: float, reserve: int):
 
 
 def _configurations(
-    gpt: GPTConfig, world: int, precision: str, micro_batch: int, seq_len: int | None
+    gpt: GPTConfig, world: int, precision: str, micro_batch: int, seq_len: int | None, device: str
 ) -> list[PeakConfig]:
     out = []
     for mp in range(1, world + 1):
@@ -236,6 +243,7 @@ def _configurations(
                                 offload_optimizer=offload,
                                 bucket_elements=bucket,
                                 prefetch_elements=bucket,
+                                device=device,
                             )
                         )
     return out

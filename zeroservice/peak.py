@@ -81,6 +81,24 @@ unmaps it when freed, so RSS follows the tensors. Measured against this predicti
 (benchmarks/planner_oracle.py, docs/planner.md) a resident excess the ledger does not
 see remains at stages 0-2 (0.5-1.3 MiB in bf16, 2-7 MiB in fp32 on ~6 M-parameter GPTs):
 its source is not identified, so it is left out rather than fitted.
+
+[Note: peak on a GPU]
+With ``device="cuda"`` the peak is what the CUDA caching allocator hands out
+(``torch.cuda.max_memory_allocated`` above the bytes held before the model was built),
+and three things differ from a CPU rank, each a matter of where a tensor lives or how
+it is allocated, not a fitted term:
+
+* ZeRO-Offload's fp32 master, Adam's moments and the fp32 gradient shard are in host
+  memory (``offload_optimizer``), and so are the offloaded checkpoints
+  (``cpu_offload_activations``): none of them counts on the device;
+* the allocator hands out a whole tensor at once: stage 2's staging buffers count whole,
+  and the gradient shards (one buffer, reduce.py) count whole from the backward's first
+  reduction, where on a CPU only the pages written so far are resident;
+* collectives are the backend's own (NCCL's; gloo's stage GPU tensors through the host),
+  so there is no ring scratch, and no oneDNN bf16 kernels.
+
+The CUDA context, cuBLAS's workspace and the allocator's rounding of reserved blocks are
+outside the figure (a budget must leave room for them).
 """
 
 from __future__ import annotations
@@ -150,6 +168,9 @@ class PeakConfig:
     collectives: str = "auto"
     """The engine's ``collectives``: with "shm" the shared segments replace the ring's
     scratch (shm.py)."""
+    device: str = "cpu"
+    """Where the rank trains: "cpu" (the peak is resident host bytes) or "cuda" (bytes the
+    CUDA allocator hands out; see [Note: peak on a GPU])."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -161,6 +182,13 @@ class PeakConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.gpt.n_head % self.mp or self.gpt.vocab_size % self.mp:
             raise ValueError(f"mp: {self.mp} does not divide the model's heads and vocab")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda'")
+        if self.device == "cuda" and self.collectives in ("ring", "shm"):
+            raise ValueError(
+                f"collectives: {self.collectives!r} moves host tensors only; a GPU rank "
+                "uses the backend's own ('auto' or 'native')"
+            )
         for name in ("partition_activations", "cpu_offload_activations"):
             if getattr(self, name) and not self.activation_checkpointing:
                 raise ValueError(f"{name}: applies to activation checkpoints; set them on")
@@ -176,7 +204,8 @@ class PeakPrediction:
     "embedding" (stage 3) or "step": the moment of the largest total. See [Note: peak
     model]."""
     peak: int
-    """The largest of ``phases``: what VmHWM above start-up should read on CPU."""
+    """The largest of ``phases``: what VmHWM above start-up should read on CPU, and
+    ``max_memory_allocated`` above the model's start on a GPU."""
     model_states: int
     """params + grads + master + optimizer states: the ledger's ``model_states``."""
     host_grads: int
@@ -367,11 +396,15 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         # units staged in them reach that far, and with one unit one buffer is written.
         staging = 2 * min(largest, units.block) * p
         written = sum(min(n, units.block) for n in sorted(units.sizes)[-2:]) * p
+        if c.device == "cuda":
+            written = staging  # the allocator hands out whole buffers
     elif c.stage == 3 and largest > units.block:
         # Allocated for an oversized unit's pieces only (reduce.py): see ``pieces`` below.
         staging = 2 * units.block * p
     ring = 0
-    if c.dp > 1 and c.collectives == "shm":
+    if c.device == "cuda":
+        pass  # native collectives (NCCL's, or gloo's staged through the host): no scratch
+    elif c.dp > 1 and c.collectives == "shm":
         ring = c.dp * (HEADER_BYTES + 2 * half_bytes_for(c.dp, units.block // c.dp))
     elif c.dp > 1:
         largest_shard = largest // (c.dp if c.stage > 0 else 1)
@@ -391,9 +424,13 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     tail = 2 * tokens * h * p + 2 * tokens * 4  # ln_f's input and output; its mean, rstd
     checkpoint = -(-tokens * h // t) if c.partition_activations else tokens * h
     arena = cfg.n_layer * checkpoint * p if c.activation_checkpointing else 0
+    # On a GPU, offloaded checkpoints are in host memory (pinned): none on the device.
+    arena_here = 0 if c.device == "cuda" and c.cpu_offload_activations else arena
     # Checkpointed, the blocks' tensors are gone after each block; the arena holds inputs.
     saved = 0 if c.activation_checkpointing else cfg.n_layer * block
-    native = native_bf16_matmul() if c.native_bf16 is None else c.native_bf16
+    native = c.device == "cpu" and (
+        native_bf16_matmul() if c.native_bf16 is None else c.native_bf16
+    )
     tiles = cfg.vocab_tiles if t == 1 else 1
     # Vocabulary tiles multiply in the head's three shapes per tile width (the last
     # tile's, when shorter, three more).
@@ -404,6 +441,8 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     ring_held = ring if c.collectives == "shm" else 0
     reducing = ring - ring_held
     resident = states + host_grads + written + ring_held + gathered
+    if c.device == "cuda" and c.offload_optimizer:
+        resident -= master + opt + host_grads  # in host memory
     # Stages 2/3 hold no gradient shard from the step until the backward's first
     # reduction (reduce.py, [Note: gradient lifetime]); one micro-batch per step.
     before_reduction = resident - (grads if c.stage >= 2 else 0)
@@ -412,13 +451,13 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     forward = {
         "resident": at_loss,
         "activations": saved + tail,
-        "arena": arena,
+        "arena": arena_here,
         "loss": loss_fwd,
     }
     backward_start = {
         "resident": at_loss,
         "activations": forward["activations"],
-        "arena": arena,
+        "arena": arena_here,
         "loss": loss_bwd,
     }
     phases = {"forward": forward, "backward": backward_start}
@@ -430,14 +469,14 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         phases["head"] = {
             "resident": at_loss,
             "activations": forward["activations"],
-            "arena": arena,
+            "arena": arena_here,
             "gathered head": whole,
             "logits": loss_fwd if tiles > 1 else tokens * v * p,
         }
         phases["head backward"] = {
             "resident": at_loss,
             "activations": forward["activations"],
-            "arena": arena,
+            "arena": arena_here,
             "gathered head": whole,
             "gradients": loss_bwd if tiles > 1 else tokens * v * p + head * p,
         }
@@ -450,10 +489,12 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     # On a CPU a gradient shard's pages are resident once its reduction wrote them: inside
     # the blocks' backward, those of the units reduced before them.
     written_grads = units.tail // c.dp * p if c.stage >= 2 else 0
+    if c.device == "cuda" and c.stage >= 2:
+        written_grads = grads  # one buffer, allocated whole at the first reduction
     if c.activation_checkpointing:
         phases["recompute"] = {
             "resident": before_reduction + written_grads,
-            "arena": arena,
+            "arena": arena_here,
             "activations": _recompute_bytes(c, block, tokens, p),
             "gradient staging": borrowed + reducing,
         }
@@ -469,17 +510,29 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         # into its shard, beside every block's saved tensors. The untied embedding, as
         # large, is the last: its dense gradient goes the same way once every other
         # shard is written and the saved tensors are gone.
+        # Its shard's pages on a CPU; on a GPU the shards' one buffer, whole.
+        shard = grads if c.device == "cuda" else padded_size(head, c.dp) // c.dp * p
         phases["pieces"] = {
             "resident": at_loss,
             "activations": forward["activations"],
-            "arena": arena,
-            "gradient staging": staging + reducing + head * p + padded_size(head, c.dp) // c.dp * p,
+            "arena": arena_here,
+            "gradient staging": staging + reducing + head * p + shard,
         }
         phases["embedding"] = {
             "resident": at_loss + grads,
             "gradient staging": staging + reducing + head * p,
         }
-    phases["step"] = {"resident": resident + arena, "fp32 gradients": _step_casts(c, units)}
+    if c.device == "cuda" and c.stage >= 2:
+        # The backward's first reduction allocates the shards' one buffer whole, every
+        # block's saved tensors still held, beside the head's weight gradient (made, or
+        # tied and waiting for the embedding's) and the gradient entering ln_f.
+        phases["reduction"] = {
+            "resident": at_loss + grads,
+            "activations": forward["activations"],
+            "arena": arena_here,
+            "gradients": (v * h + tokens * h) * p,
+        }
+    phases["step"] = {"resident": resident + arena_here, "fp32 gradients": _step_casts(c, units)}
     if kernels:
         for moment in phases.values():
             moment["bf16 kernels"] = kernels

@@ -142,6 +142,13 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     modes.add_argument("--memory-per-rank", type=_size, help="auto: e.g. 512MiB")
     modes.add_argument("--margin", type=float, default=0.10, help="auto: on the peak (0.10)")
+    modes.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="auto: the ranks train on (cuda: --memory-per-rank is GPU memory; offload's "
+        "host bytes do not count)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_plan)
     return p
@@ -183,6 +190,7 @@ def _auto(args: argparse.Namespace, model: planner.ModelSpec) -> int:
         seq_len=args.seq,
         mp=args.mp,
         margin=args.margin,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))

@@ -74,6 +74,18 @@ def test_the_plan_of_an_auto_job_says_what_was_chosen_and_why(harness):
     assert got["needed_bytes"] == want.choice.peak.peak + RUNTIME_RESERVE
 
 
+def test_a_gpu_job_is_configured_for_the_gpus_memory():
+    """GPU ranks: the budget is the device's, which optimizer offload relieves (the
+    host holds its states); 50 MiB fits nothing on CPU ranks."""
+    gpu = {**SMALL, "resources": {**SMALL["resources"], "gpus_per_rank": 1}}
+    spec, weighed = resolve(JobSpec.model_validate(gpu), 50 * MIB)
+    assert weighed["device"] == "cuda" and weighed["choice"]["peak_bytes"] < 50 * MIB
+    assert spec.engine["offload_optimizer"] is True
+    assert spec.resources.host_allocator is None  # the mapping threshold is for CPU ranks
+    with pytest.raises(AutoRefused, match="nothing fits"):
+        resolve(JobSpec.model_validate(SMALL), 50 * MIB)
+
+
 def test_nothing_fits_is_refused_with_the_numbers(harness):
     h = harness.headers(harness.tenant_token("alice"))
     r = harness.client.post("/v1/jobs", json={"spec": HUGE}, headers=h)

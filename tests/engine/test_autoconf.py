@@ -74,12 +74,25 @@ def test_cli_auto(capsys):
         ({"reserve_bytes": -1}, "reserve_bytes"),
         ({"flops_per_second": 0.0}, "flops_per_second"),
         ({"link_bytes_per_second": float("nan")}, "link_bytes_per_second"),
+        ({"device": "gpu"}, "device"),
     ],
 )
 def test_bad_inputs_are_refused_naming_the_argument(change, field):
     args = {"world": 2, "memory_per_rank": 70 * MIB, "micro_batch": 4, **change}
     with pytest.raises(ValueError, match=f"^{field}: "):
         auto_configure(DEEP, **args)
+
+
+def test_on_a_gpu_the_budget_is_the_devices_and_offload_frees_it():
+    """50 MiB per rank: no configuration fits in host memory, where offload moves
+    nothing off the rank; on a GPU, optimizer offload moves 12 bytes per shard element
+    to the host (peak.py, [Note: peak on a GPU])."""
+    host = auto_configure(DEEP, world=2, memory_per_rank=50 * MIB, micro_batch=4)
+    gpu = auto_configure(DEEP, world=2, memory_per_rank=50 * MIB, micro_batch=4, device="cuda")
+    assert host.choice is None and gpu.choice is not None
+    assert gpu.choice.config.offload_optimizer and gpu.choice.config.device == "cuda"
+    assert gpu.need(gpu.choice) <= 50 * MIB
+    assert gpu.as_dict()["device"] == "cuda" and host.as_dict()["device"] == "cpu"
 
 
 def test_a_model_the_peak_model_does_not_cover_is_refused():

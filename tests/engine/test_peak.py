@@ -4,16 +4,19 @@ engine's ledger, and its total within 10% of the measured peak (VmHWM above star
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.planner_oracle import SHAPES, Case, trials
+from benchmarks.planner_oracle import CUDA_SHAPES, SHAPES, Case, score, trials
 from zeroservice import planner
 from zeroservice.construct import deferred_init
 from zeroservice.launch import run_local
+from zeroservice.memory import model_state_kinds
 from zeroservice.models import GPT, GPTConfig
 from zeroservice.peak import (
     BF16_KERNEL_BYTES,
@@ -169,6 +172,72 @@ def test_bf16_kernels_are_counted_on_a_native_bf16_cpu_only():
         assert all(on.phases[k] - off.phases[k] == extra for k in on.phases)
     here = predict_peak(PeakConfig(cfg, stage=1, dp=2, precision="bf16"))
     assert bool(here.kernels) == native_bf16_matmul()
+
+
+def test_on_a_gpu_what_offload_moves_to_the_host_does_not_count():
+    """[Note: peak on a GPU]: the offloaded master, moments, fp32 gradient shard and
+    checkpoints are host memory. Stages 0-1: nothing else differs in these phases."""
+    cfg, batch = CUDA_SHAPES["gpu-deep"]
+    for stage in (0, 1):
+        kw = dict(
+            stage=stage,
+            dp=2,
+            precision="bf16",
+            micro_batch=batch,
+            activation_checkpointing=True,
+            cpu_offload_activations=True,
+            offload_optimizer=True,
+            native_bf16=False,
+        )
+        host = predict_peak(PeakConfig(cfg, **kw))  # type: ignore[arg-type]
+        gpu = predict_peak(PeakConfig(cfg, **kw, device="cuda"))  # type: ignore[arg-type]
+        psi = sum(_units(PeakConfig(cfg, **kw)).sizes)  # type: ignore[arg-type]
+        _, _, master, opt = model_state_kinds(stage, "bf16", psi, 2, 8, offload=True)
+        moved = master + opt + host.host_grads + host.arena
+        assert host.arena > 0 and host.host_grads > 0
+        for phase in ("forward", "backward", "step"):
+            assert host.phases[phase] - gpu.phases[phase] == moved, phase
+
+
+def test_on_a_gpu_buffers_count_whole_and_no_ring_scratch():
+    """Stage 2 on a GPU: the staging buffers and the gradient shard's one buffer count
+    whole once allocated (a CPU counts the pages written), and the backend's own
+    collectives keep no ring scratch."""
+    cfg, batch = CUDA_SHAPES["gpu-deep"]
+    kw = dict(stage=2, dp=2, micro_batch=batch, activation_checkpointing=True)
+    gpu = predict_peak(PeakConfig(cfg, **kw, device="cuda"))  # type: ignore[arg-type]
+    host = predict_peak(PeakConfig(cfg, **kw))  # type: ignore[arg-type]
+    assert gpu.ring == 0 < host.ring
+    assert gpu.breakdown["recompute"]["resident"] == gpu.model_states + gpu.staging
+    assert gpu.breakdown["recompute"]["gradient staging"] == 0
+    assert host.breakdown["recompute"]["resident"] < host.model_states + host.staging
+
+
+def test_a_gpu_keeps_no_onednn_kernels_and_bad_devices_are_refused():
+    cfg = SHAPES["deep"][0]
+    gpu = predict_peak(PeakConfig(cfg, 1, 2, precision="bf16", native_bf16=True, device="cuda"))
+    assert gpu.kernels == 0
+    with pytest.raises(ValueError, match="^device: 'tpu'"):
+        PeakConfig(cfg, 1, 2, device="tpu")
+    with pytest.raises(ValueError, match="^collectives: 'shm' moves host tensors only"):
+        PeakConfig(cfg, 1, 2, device="cuda", collectives="shm")
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+GPU_RESULTS = sorted(RESULTS.glob("planner-oracle-cuda-*.json"))
+
+
+@pytest.mark.parametrize("path", GPU_RESULTS, ids=lambda p: p.name)
+def test_recorded_gpu_peaks_are_predicted_within_five_percent(path):
+    """The GPU matrix's measured peaks (``python -m benchmarks.planner_oracle --cuda`` on
+    an H200, two ranks sharing it) against today's prediction: no GPU needed to check."""
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) >= 36 and not [r["name"] for r in rows if "failed" in r]
+    for row in rows:
+        r = score(row)
+        assert abs(r["error"]) <= 0.05, (r["name"], r["predicted_bytes"], r["measured_bytes"])
 
 
 # A vocabulary large against everything else (the loss's logits: 512 tokens x 16384),
