@@ -93,7 +93,9 @@ it is allocated, not a fitted term:
   (``cpu_offload_activations``): none of them counts on the device;
 * the allocator hands out a whole tensor at once: stage 2's staging buffers count whole,
   and the gradient shards (one buffer, reduce.py) count whole from the backward's first
-  reduction, where on a CPU only the pages written so far are resident;
+  reduction, where on a CPU only the pages written so far are resident. That first
+  reduction is a moment of its own (``reduction``): the shards' buffer beside every
+  block's saved tensors, the head's weight gradient and the gradient entering ln_f;
 * collectives are the backend's own (NCCL's; gloo's stage GPU tensors through the host),
   so there is no ring scratch, and no oneDNN bf16 kernels.
 
@@ -201,8 +203,8 @@ class PeakPrediction:
     phase: str
     """"forward", "head", "backward" (its first node), "head backward", "recompute" (a
     checkpointed block's recomputation, later in backward), "blocks", "pieces",
-    "embedding" (stage 3) or "step": the moment of the largest total. See [Note: peak
-    model]."""
+    "embedding" (stage 3), "reduction" (stages 2 and 3 on a GPU: [Note: peak on a
+    GPU]) or "step": the moment of the largest total. See [Note: peak model]."""
     peak: int
     """The largest of ``phases``: what VmHWM above start-up should read on CPU, and
     ``max_memory_allocated`` above the model's start on a GPU."""
