@@ -387,11 +387,20 @@ def cuda_trials(trials: list[CudaTrial], jsonl: str) -> None:
         gc.collect()
 
 
-def run_cuda(trials: list[CudaTrial], path: Path, show, chunk: int = 6, trial_s: float = 45.0):
+def run_cuda(
+    trials: list[CudaTrial],
+    path: Path,
+    show,
+    chunk: int = 6,
+    trial_s: float = 45.0,
+    ranks_fn=None,
+):
     """Every trial on the GPU, two ranks sharing it over gloo, ``chunk`` trials to a pair
     of processes (given ``trial_s`` seconds a trial), each row passed to ``show`` as it
     comes; a trial that fails or hangs is recorded as failed and the rest go on in fresh
-    processes. Returns the rows."""
+    processes. Returns the rows. ``ranks_fn``: what the ranks run (``cuda_trials``; a
+    test passes its own)."""
+    ranks_fn = ranks_fn or cuda_trials
     jsonl = path.with_suffix(".jsonl")
     jsonl.unlink(missing_ok=True)
     todo = list(trials)
@@ -399,7 +408,7 @@ def run_cuda(trials: list[CudaTrial], path: Path, show, chunk: int = 6, trial_s:
         batch = todo[:chunk]
         before = len(_rows(jsonl))
         try:
-            run_local(cuda_trials, WORLD, batch, str(jsonl), timeout_s=trial_s * len(batch))
+            run_local(ranks_fn, WORLD, batch, str(jsonl), timeout_s=trial_s * len(batch))
         except Exception as e:
             print(f"ranks stopped: {str(e).strip().splitlines()[-1][:300]}", flush=True)
         new = _rows(jsonl)[before:]
@@ -414,7 +423,10 @@ def run_cuda(trials: list[CudaTrial], path: Path, show, chunk: int = 6, trial_s:
                 f.write(json.dumps(row) + "\n")
             show(row)
             left = left[1:]
-        todo = left + todo[chunk:]
+        rest = left + todo[chunk:]
+        if len(rest) >= len(todo):  # each round ends at least one trial
+            raise RuntimeError(f"no trial ended in a round: {[t.name for t in batch]}")
+        todo = rest
     return _rows(jsonl)
 
 
