@@ -89,7 +89,7 @@ def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any
         micro_batch=spec.micro_batch,
         seq_len=spec.model.seq_len,
         mp=res.mp if elastic else None,
-        device="cuda" if res.gpus_per_rank else "cpu",
+        device=res.device,
     )
     weighed = choice.as_dict()
     if choice.choice is None:

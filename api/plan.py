@@ -169,7 +169,7 @@ def _peak(spec: JobSpec) -> Any:
                 **_sizing(spec, cfg),
                 micro_batch=spec.micro_batch,
                 prefetch_elements=cfg.stage3_prefetch_elements,
-                device="cuda" if spec.resources.gpus_per_rank else "cpu",
+                device=spec.resources.device,
             )
         )
     except ValueError:

@@ -607,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         "the configuration auto_configure(device='cuda') chooses",
     )
     args = parser.parse_args(argv)
+    if args.auto and not args.cuda:
+        parser.error(
+            "--auto: runs on the GPU; add --cuda (the CPU's trials: tests/engine/test_autoconf.py)"
+        )
     if args.rescore:
         before = json.loads(Path(args.rescore).read_text())
         rescored = [r if "failed" in r else score(r) for r in before["rows"]]

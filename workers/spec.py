@@ -240,6 +240,11 @@ class ResourcesSpec(_Strict):
     the Ray node's environment says. ``stage: "auto"`` sets ``mapped`` for CPU ranks
     when the job leaves it unset, since the fit it chose rests on the prediction."""
 
+    @property
+    def device(self) -> str:
+        """Where each rank trains, as the peak model names it: "cuda" or "cpu"."""
+        return "cuda" if self.gpus_per_rank else "cpu"
+
     @model_validator(mode="after")
     def _bounds(self) -> ResourcesSpec:
         lo = self.min_dp if self.min_dp is not None else self.dp
