@@ -2,6 +2,24 @@
 NCCL, one GPU per rank).
 
 Tests, benchmarks and the engine demo share it; a cluster uses torchrun or Ray instead.
+
+[Note: ranks forked from a warm server]
+A spawned rank is a fresh interpreter that imports torch and the engine before it runs
+anything: 1.6-1.9 s per call of two ranks on a 2-core machine, paid again by every
+call (the test suite makes hundreds). With ``start="forkserver"`` one server process
+imports them once (``FORKSERVER_PRELOAD``) and every rank is forked from it: 0.07 s per
+call. The server is single-threaded when it forks, so no rank inherits a lock held by a
+thread it does not have, and it has touched no GPU.
+
+What a forked rank cannot get is a setting read when a process starts: glibc's malloc
+tunables, OpenMP's and MKL's, the interpreter's, torch's huge-page switch
+(``READ_AT_START``); the server's values hold in every rank it forks. So a call whose
+environment (this process's, plus ``env``) differs from the server's in one of those,
+and every NCCL call, gets spawned ranks whatever was asked; any other variable is set in
+the forked rank before ``fn`` runs, so it sees the environment a spawned rank would.
+Spawn stays the default (benchmarks measure memory and start-up as a user's ranks
+have them); ``START_ENV`` names another for a whole process (the test suite's
+conftest), and ``start`` for one call.
 """
 
 from __future__ import annotations
@@ -21,6 +39,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+START_METHODS = ("spawn", "forkserver")
+START_ENV = "ZEROSERVICE_LAUNCH_START"
+"""The start method of a ``run_local`` call that names none (unset: "spawn")."""
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "zeroservice"]
+"""What the fork server imports once, before it forks any rank."""
+READ_AT_START = (
+    "MALLOC_",
+    "GLIBC_",
+    "LD_",
+    "PYTHON",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "DNNL_",
+    "ONEDNN_",
+    "ATEN_",
+    "TORCH_",
+    "THP_",
+    "CUDA_",
+)
+"""Prefixes of variables a process reads when it starts (see the module's note)."""
+
+_server_env: dict[str, str] | None = None
+"""This process's environment when it started the fork server (None: not started)."""
+
 
 def free_port() -> int:
     """A port free now, for a server that binds it itself (uvicorn, Prometheus). A
@@ -30,7 +74,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_method(start: str | None, env: dict[str, str], backend: str = "gloo") -> str:
+    """How a ``run_local`` call starts its ranks: ``start``, else ``START_ENV``, else
+    "spawn"; "forkserver" only where it gives the ranks the environment ``env`` (the
+    whole environment they should have) describes (see the module's note)."""
+    method = start or os.environ.get(START_ENV) or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"start: {method!r} is not one of {', '.join(START_METHODS)}")
+    if method == "spawn" or backend == "nccl":
+        return "spawn"
+    # Not started yet, the server will have this process's environment.
+    server = _server_env if _server_env is not None else dict(os.environ)
+    differing = [k for k in set(env) | set(server) if env.get(k) != server.get(k)]
+    if any(k.startswith(READ_AT_START) for k in differing):
+        return "spawn"
+    return method
+
+
+def _context(method: str):
+    """The multiprocessing context; the fork server started (and its environment
+    recorded) at its first use."""
+    global _server_env
+    ctx = mp.get_context(method)
+    if method == "forkserver" and _server_env is None:
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        import multiprocessing.forkserver
+
+        multiprocessing.forkserver.ensure_running()
+        _server_env = dict(os.environ)
+    return ctx
+
+
 def _worker(rank, world, port, fn, args, outdir, threads, timeout_s, env, backend) -> None:
+    # The caller's whole environment: a spawned rank has it already, a forked one has
+    # the fork server's until now.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # What torchrun would set, for libraries that read it.
@@ -71,8 +149,13 @@ def run_local(
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
     backend: str = "gloo",
+    start: str | None = None,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` processes; return each rank's result.
+
+    ``env``: variables set in every rank, beside this process's environment.
+    ``start``: "spawn" or "forkserver" (see [Note: ranks forked from a warm server]);
+    unset, ``ZEROSERVICE_LAUNCH_START`` or "spawn".
 
     ``backend``: "gloo" (CPU tensors, and GPU tensors staged through the host) or
     "nccl" (rank r on GPU r modulo the GPUs there are; NCCL refuses two ranks on one).
@@ -84,7 +167,8 @@ def run_local(
         raise ValueError(f"world_size: must be >= 1, got {world_size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: {backend!r} is not 'gloo' or 'nccl'")
-    ctx = mp.get_context("spawn")
+    rank_env = {**os.environ, **(env or {})}
+    ctx = _context(start_method(start, rank_env, backend))
     store = host_store(timeout_s)
     port = int(store.port)
     with tempfile.TemporaryDirectory(prefix="zeroservice-run-") as outdir:
@@ -100,7 +184,7 @@ def run_local(
                     outdir,
                     threads,
                     timeout_s,
-                    env or {},
+                    rank_env,
                     backend,
                 ),
                 daemon=False,

@@ -84,7 +84,7 @@ def test_export_streams_one_parameter_at_a_time(tmp_path):
     psi = run_local(sc.save_medium, 2, str(tmp_path / "ckpt"))[0]
     directory = next((tmp_path / "ckpt").iterdir())
     out = tmp_path / "medium.safetensors"
-    peak = run_local(sc.export_peak, 1, str(directory), str(out))[0]
+    peak = run_local(sc.export_peak, 1, str(directory), str(out), start="spawn")[0]
     assert out.stat().st_size > 4 * psi  # every parameter, fp32 (tied names twice)
     # The largest parameter (the 8192 x 512 embedding) is 16 MiB, the model 168 MB. An
     # export holding the model would need all of it; streaming keeps two or three of the

@@ -162,7 +162,7 @@ def test_chosen_configurations_stay_within_budget_when_run(world):
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # the oracle's allocator setting
     try:
-        ranks = run_local(run_triples, world, triples, timeout_s=600)
+        ranks = run_local(run_triples, world, triples, timeout_s=600, start="spawn")
     finally:
         if old is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_")

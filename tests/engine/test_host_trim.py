@@ -131,7 +131,7 @@ CASES = [(0, True), (2, True), (3, True), (3, False), (1, False)]
 
 @functools.cache
 def _calls() -> list[dict]:
-    return run_local(_calls_in_rank, WORLD, CASES)[0]
+    return run_local(_calls_in_rank, WORLD, CASES, start="spawn")[0]
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"s{s}-{e}" for s, e in CASES])

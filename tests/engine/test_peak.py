@@ -93,7 +93,7 @@ def _under_oracle_protocol(fn, args) -> list:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # spawned ranks inherit it: glibc reads it at start-up
     try:
-        return run_local(fn, 2, args, timeout_s=300)
+        return run_local(fn, 2, args, timeout_s=300, start="spawn")
     finally:
         for k, v in old.items():
             if v is None:

@@ -71,8 +71,8 @@ def test_tied_weights_stay_tied_in_transformers_gpt2():
 @functools.cache
 def _construction() -> tuple[dict, dict]:
     """Each in fresh processes: memory freed by one would hide the other's growth."""
-    deferred = run_local(sc.construction_peak, 4, True, timeout_s=600)[0]
-    eager = run_local(sc.construction_peak, 4, False, timeout_s=600)[0]
+    deferred = run_local(sc.construction_peak, 4, True, timeout_s=600, start="spawn")[0]
+    eager = run_local(sc.construction_peak, 4, False, timeout_s=600, start="spawn")[0]
     return deferred, eager
 
 
