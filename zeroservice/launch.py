@@ -5,11 +5,12 @@ Tests, benchmarks and the engine demo share it; a cluster uses torchrun or Ray i
 
 [Note: ranks forked from a warm server]
 A spawned rank is a fresh interpreter that imports torch and the engine before it runs
-anything: 1.6-1.9 s per call of two ranks on a 2-core machine, paid again by every
+anything: 1.5-1.9 s per call of two ranks on a 2-core machine, paid again by every
 call (the test suite makes hundreds). With ``start="forkserver"`` one server process
-imports them once (``FORKSERVER_PRELOAD``) and every rank is forked from it: 0.07 s per
-call. The server is single-threaded when it forks, so no rank inherits a lock held by a
-thread it does not have, and it has touched no GPU.
+imports them once (``FORKSERVER_PRELOAD``) and every rank is forked from it: 0.07-0.10 s
+per call (``python -m benchmarks.launch_start``). The server is single-threaded when it
+forks, so no rank inherits a lock held by a thread it does not have, and it has touched
+no GPU.
 
 What a forked rank cannot get is a setting read when a process starts: glibc's malloc
 tunables, OpenMP's and MKL's, the interpreter's, torch's huge-page switch

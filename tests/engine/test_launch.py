@@ -47,6 +47,9 @@ def _run_and_report(name: str, env: dict[str, str], start: str | None = None) ->
 
 
 def test_a_forked_rank_sees_the_callers_environment(monkeypatch):
+    # The server up first, without the variable: the rank must get it from the caller.
+    monkeypatch.delenv("ZEROSERVICE_SOME_SETTING", raising=False)
+    _run_and_report("ZEROSERVICE_SOME_SETTING", {}, start="forkserver")
     monkeypatch.setenv("ZEROSERVICE_SOME_SETTING", "from-the-caller")
     ranks = _run_and_report("ZEROSERVICE_SOME_SETTING", {}, start="forkserver")
     assert [r["value"] for r in ranks] == ["from-the-caller"] * 2

@@ -1,0 +1,54 @@
+"""What starting a ``run_local`` call's ranks costs, spawned and forked from the warm
+server ([Note: ranks forked from a warm server] in zeroservice/launch.py).
+
+Each call runs a function that returns at once on ``--world`` ranks, so its time is
+the ranks' start, their process group and their exit. Calls alternate between the two
+start methods; the fork server's own start (its imports, once per process) is paid by
+an untimed first call.
+
+    python -m benchmarks.launch_start --calls 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from benchmarks.output import result_path
+from zeroservice.launch import START_METHODS, run_local
+
+
+def _returns_at_once() -> int:
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    if args.calls < 1 or args.world < 1:
+        ap.error("--calls and --world: at least 1")
+    run_local(_returns_at_once, args.world, start="forkserver")  # the server started
+    seconds: dict[str, list[float]] = {m: [] for m in START_METHODS}
+    for _ in range(args.calls):
+        for method in START_METHODS:
+            t0 = time.perf_counter()
+            run_local(_returns_at_once, args.world, start=method)
+            seconds[method].append(time.perf_counter() - t0)
+    print(f"\nrun_local of a function that returns at once, world {args.world} (seconds)")
+    print(f"{'start':<11} {'median':>7}  each")
+    for method, each in seconds.items():
+        print(
+            f"{method:<11} {statistics.median(each):>7.3f}  {', '.join(f'{s:.2f}' for s in each)}"
+        )
+    path = result_path(args.out, "launch-start")
+    path.write_text(json.dumps({"world": args.world, "seconds": seconds}, indent=1))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
