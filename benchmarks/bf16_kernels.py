@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 
 GPTS = [  # vocab, seq_len, layers, heads, dim, micro-batch
     (1024, 128, 2, 2, 128, 4),
@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nlargest {worst / mib:.3f} MiB per product; peak.py counts "
         f"{BF16_KERNEL_BYTES / mib:.3f} MiB ({'above' if worst <= BF16_KERNEL_BYTES else 'BELOW'})"
     )
-    path = result_path(args.out, "bf16-kernels")
-    path.write_text(json.dumps({"kernel_bytes": BF16_KERNEL_BYTES, "rows": rows}, indent=2))
-    print(f"wrote {path}")
+    write_result(args.out, "bf16-kernels", {"kernel_bytes": BF16_KERNEL_BYTES, "rows": rows})
     return 0
 
 

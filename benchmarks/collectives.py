@@ -17,12 +17,11 @@ Two tables, world 2 on gloo, one torch thread per rank, ``MALLOC_MMAP_THRESHOLD_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 
 IMPLS = {
     "all_reduce": ("native", "shm"),
@@ -160,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'system':12s}" + "".join(f"{k:>11s}" for k in keys))
     for name, parts in result["phases"].items():
         print(f"{name:12s}" + "".join(f"{1e3 * parts[k]:11.1f}" for k in keys))
-    path = result_path(args.out, "collectives")
-    path.write_text(json.dumps({"elements": args.elements, "world": 2, **result}, indent=2))
-    print(f"\nwrote {path}")
+    write_result(args.out, "collectives", {"elements": args.elements, "world": 2, **result})
     return 0
 
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
+from benchmarks.output import write_result
 from benchmarks.systems import MODELS, SYSTEMS, run_pair, run_system
 from zeroservice.launch import run_local
 
@@ -267,10 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     _print(summary, ratios, args)
     if paired:
         _print_paired(paired)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = out / f"compare-{args.model}-w{args.world}-{stamp}.json"
     meta = {
         "model": args.model,
         "world": args.world,
@@ -280,10 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
     }
-    path.write_text(
-        json.dumps({"meta": meta, "summary": summary, "ratios": ratios, "paired": paired}, indent=2)
-    )
-    print(f"\nwrote {path}")
+    record = {"meta": meta, "summary": summary, "ratios": ratios, "paired": paired}
+    write_result(args.out, f"compare-{args.model}-w{args.world}", record)
     return 0
 
 

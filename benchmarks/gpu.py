@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
 from zeroservice.models import GPT, GPTConfig
@@ -471,9 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             date=time.strftime("%Y-%m-%d"),
         )
         stem = f"gpu-{part}" + (f"-dp{args.world}" if part == "memory" and args.world > 1 else "")
-        path = result_path(args.out, stem)
-        path.write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {path}", flush=True)
+        write_result(args.out, stem, result)
         gc.collect()
     return 0
 

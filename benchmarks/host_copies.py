@@ -20,12 +20,11 @@ the peak resident memory over the run (VmHWM).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 from benchmarks.recovery import MODELS
 
 MODES = ("none", "fresh", "reused")
@@ -99,10 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode:8s}{row['forward_backward_s']:11.2f}{row['step_s']:9.2f}"
             f"{row['peak_rss'] / 2**20:14.0f}{row['copies'] / 2**20:12.0f}"
         )
-    path = result_path(args.out, f"host-copies-{args.model}")
     record = {"model": args.model, "steps": args.steps, "summary": summary, "runs": runs}
-    path.write_text(json.dumps(record, indent=2))
-    print(f"\nwrote {path}")
+    write_result(args.out, f"host-copies-{args.model}", record)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
 from zeroservice.memory import process_status_kib
@@ -189,24 +188,18 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f" x{psi / config(base).num_params():.1f}" if base and n else ""
             row += f"{f'{n} layers, {psi / 1e6:.1f}M{ratio}':>24}"
         print(row)
-    path = result_path(args.out, f"largest-model-{args.budget_mib}mib")
     rows = [
         {"stage": s, "world": w, "n_layer": n, "params": config(n).num_params() if n else 0}
         for (s, w), n in table.items()
     ]
-    path.write_text(
-        json.dumps(
-            {
-                "budget_mib": args.budget_mib,
-                "width": WIDTH,
-                "engine": ENGINE,
-                "largest": rows,
-                "trials": log,
-            },
-            indent=2,
-        )
-    )
-    print(f"\nwrote {path}")
+    record = {
+        "budget_mib": args.budget_mib,
+        "width": WIDTH,
+        "engine": ENGINE,
+        "largest": rows,
+        "trials": log,
+    }
+    write_result(args.out, f"largest-model-{args.budget_mib}mib", record)
     return 0
 
 

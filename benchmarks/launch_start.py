@@ -12,11 +12,10 @@ an untimed first call.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 from zeroservice.launch import START_METHODS, run_local
 
 
@@ -45,9 +44,7 @@ def main() -> None:
         print(
             f"{method:<11} {statistics.median(each):>7.3f}  {', '.join(f'{s:.2f}' for s in each)}"
         )
-    path = result_path(args.out, "launch-start")
-    path.write_text(json.dumps({"world": args.world, "seconds": seconds}, indent=1))
-    print(f"\nwrote {path}")
+    write_result(args.out, "launch-start", {"world": args.world, "seconds": seconds})
 
 
 if __name__ == "__main__":

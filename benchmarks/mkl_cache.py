@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 
 SHAPES = [(512, 384, 1152), (512, 384, 1536), (512, 1536, 384), (512, 384, 4096)]
 """(tokens, inputs, outputs) of each product, in the order run."""
@@ -60,9 +60,8 @@ def main() -> int:
     for (m, k, n), a, b in zip(SHAPES, on, off, strict=True):
         print(f"{f'{m} x {k} -> {n}':30s}{a:14.2f}{b:15.2f}")
     print(f"{'all':30s}{sum(on):14.2f}{sum(off):15.2f}")
-    path = result_path("benchmarks/results", "mkl-cache")
-    path.write_text(json.dumps({"shapes": SHAPES, "cache_on": on, "cache_off": off}, indent=2))
-    print(f"wrote {path}")
+    record = {"shapes": SHAPES, "cache_on": on, "cache_off": off}
+    write_result("benchmarks/results", "mkl-cache", record)
     return 0
 
 

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 
 VARIANTS = ("env", "env+preload", "plain", "plain+preload")
 PRELOAD = "torch,torch._dynamo,workers.rank"
@@ -133,9 +133,7 @@ def main() -> None:
             f"{variant:<15} {med['process_s']:>8.2f} {med['imported_s']:>9.2f} "
             f"{med['up_s']:>6.2f}  {each}"
         )
-    path = result_path(args.out, "newcomer-start")
-    path.write_text(json.dumps({"repeats": args.repeats, "results": results}, indent=1))
-    print(f"\nwrote {path}")
+    write_result(args.out, "newcomer-start", {"repeats": args.repeats, "results": results})
 
 
 if __name__ == "__main__":

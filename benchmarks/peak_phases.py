@@ -12,10 +12,9 @@ moments. Writes JSON to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 from benchmarks.planner_oracle import measure
 from benchmarks.systems import MODELS
 from zeroservice.launch import run_local
@@ -52,11 +51,8 @@ def main() -> None:
         f"({ranks[0]['peak_phase']}), predicted {predicted.peak / MIB:.1f} ({predicted.phase})"
     )
     malloc = "default" if args.default_malloc else "mmap"
-    path = result_path(args.out, f"peak-phases-{args.model}-s{args.stage}-{malloc}")
-    path.write_text(
-        json.dumps({"args": vars(args), "ranks": ranks, "predicted": predicted.as_dict()}, indent=1)
-    )
-    print(f"wrote {path}")
+    record = {"args": vars(args), "ranks": ranks, "predicted": predicted.as_dict()}
+    write_result(args.out, f"peak-phases-{args.model}-s{args.stage}-{malloc}", record)
 
 
 if __name__ == "__main__":

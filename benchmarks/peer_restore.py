@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 from benchmarks.recovery import MODELS
 
 MODES = ("packed", "direct", "lent")
@@ -163,15 +162,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['handover_holder_rss'] / 2**20:23.0f}"
             f"{row['handover_newcomer_rss'] / 2**20:15.0f}"
         )
-    path = result_path(args.out, f"peer-restore-{args.model}")
     record = {
         "model": args.model,
         "ballast_gib": args.ballast_gib,
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
         "summary": summary,
+        "runs": runs,
     }
-    path.write_text(json.dumps(record | {"runs": runs}, indent=2))
-    print(f"\nwrote {path}")
+    write_result(args.out, f"peer-restore-{args.model}", record)
     return 0
 
 

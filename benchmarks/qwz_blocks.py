@@ -12,11 +12,10 @@ with the largest relative error (|error| / |parameter|) and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from benchmarks.output import result_path
+from benchmarks.output import write_result
 from benchmarks.systems import MODELS
 from zeroservice.flat import build_units
 from zeroservice.models import GPT
@@ -93,9 +92,9 @@ def main() -> None:
         )
     for key in ("shard_blocks", "parameter_blocks"):
         print(f"worst with {key.replace('_', ' ')}: {max(r[key] for r in rows):.2%}")
-    path = result_path(args.out, f"qwz-blocks-{args.model}-w{args.world}")
-    path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_result(
+        args.out, f"qwz-blocks-{args.model}-w{args.world}", {"args": vars(args), "rows": rows}
+    )
 
 
 if __name__ == "__main__":
