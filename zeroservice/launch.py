@@ -8,7 +8,8 @@ A spawned rank is a fresh interpreter that imports torch and the engine before i
 anything: 1.5-1.9 s per call of two ranks on a 2-core machine, paid again by every
 call (the test suite makes hundreds). With ``start="forkserver"`` one server process
 imports them once (``FORKSERVER_PRELOAD``) and every rank is forked from it: 0.07-0.10 s
-per call (``python -m benchmarks.launch_start``). The server is single-threaded when it
+per call, and a rank that builds an optimizer (which imports torch._dynamo) 0.07 s
+instead of 1.4 (``python -m benchmarks.launch_start``). The server is single-threaded when it
 forks, so no rank inherits a lock held by a thread it does not have, and it has touched
 no GPU.
 
@@ -43,8 +44,10 @@ import torch.multiprocessing as mp
 START_METHODS = ("spawn", "forkserver")
 START_ENV = "ZEROSERVICE_LAUNCH_START"
 """The start method of a ``run_local`` call that names none (unset: "spawn")."""
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "zeroservice"]
-"""What the fork server imports once, before it forks any rank."""
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroservice"]
+"""What the fork server imports once, before it forks any rank. torch._dynamo is
+imported by the first optimizer a process builds: 1.3-1.4 s that every forked rank of a
+training call would pay again (it starts no thread, so the server stays one)."""
 READ_AT_START = (
     "MALLOC_",
     "GLIBC_",
