@@ -8,10 +8,10 @@ A spawned rank is a fresh interpreter that imports torch and the engine before i
 anything: 1.5-1.9 s per call of two ranks on a 2-core machine, paid again by every
 call (the test suite makes hundreds). With ``start="forkserver"`` one server process
 imports them once (``FORKSERVER_PRELOAD``) and every rank is forked from it: 0.07-0.10 s
-per call, and a rank that builds an optimizer (which imports torch._dynamo) 0.07 s
-instead of 1.4 (``python -m benchmarks.launch_start``). The server is single-threaded when it
-forks, so no rank inherits a lock held by a thread it does not have, and it has touched
-no GPU.
+per call, 0.08 s where the ranks build an optimizer (which imports torch._dynamo,
+1.4 s a call had the server not imported it; ``python -m benchmarks.launch_start``).
+The server is single-threaded when it forks, so no rank inherits a lock held by a
+thread it does not have, and it has touched no GPU.
 
 What a forked rank cannot get is a setting read when a process starts: glibc's malloc
 tunables, OpenMP's and MKL's, the interpreter's, torch's huge-page switch
