@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -105,7 +106,7 @@ def _exit_code(pid: int, deadline: float) -> str:
         if done:
             return str(os.waitstatus_to_exitcode(status))
         time.sleep(0.01)
-    os.kill(pid, 9)
+    os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return "timeout"
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,17 +64,19 @@ def test_auto_takes_the_ring_on_gloo_for_host_tensors_only():
     assert run_local(_ring_for, 2, "cuda") == [False, False]
 
 
+def _exit_script(*args: str, **popen: Any) -> subprocess.Popen:
+    """``python -m tests.engine.exit_script ARGS``, from the project's root on loopback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "tests.engine.exit_script", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, **popen)
+
+
 @contextlib.contextmanager
 def _pair(*extra: str) -> Iterator[list[subprocess.Popen]]:
     """The two ranks of one job of exit_script.py, around the group's store (held
     here for the pair's life: see [Note: the launcher holds the store])."""
     store = host_store(300)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, "-m", "tests.engine.exit_script"]
-    ranks = [
-        subprocess.Popen([*cmd, str(r), "2", str(store.port), *extra], cwd=ROOT, env=env)
-        for r in range(2)
-    ]
+    ranks = [_exit_script(str(r), "2", str(store.port), *extra) for r in range(2)]
     try:
         yield ranks
     finally:
@@ -113,11 +116,7 @@ def test_exit_without_close_is_clean():
 def test_exit_without_close_is_clean_50_times():
     """The same exit 50 times, five pairs at a time, each rank forked from one warm
     interpreter and leaving through its own finalization (exit_script.serve)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, "-m", "tests.engine.exit_script", "serve"]
-    server = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    server = _exit_script("serve", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     codes: list[str] = []
     try:
         for _ in range(10):
