@@ -115,7 +115,14 @@ def _ledger(engine, op: str) -> int:
     return stats.payload_bytes if stats is not None else 0
 
 
+_LEFT: list = []
+"""Groups left, kept referenced as a rank actor keeps them ([Note: groups left are
+kept] in workers/rank.py): the last reference of a gloo group dropped while an abandoned
+collective occupies its worker thread joins that thread, until the group's timeout."""
+
+
 def _rejoin(survivors: list[int], old_rank: int, store: str) -> None:
+    _LEFT.append(dist.group.WORLD)
     dist.destroy_process_group()
     dist.init_process_group(
         "gloo",
