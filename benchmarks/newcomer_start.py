@@ -10,12 +10,16 @@ rank actor does (``workers.rank`` imported, ``_warm_up``), then the node is remo
 again; ``--repeats`` times per variant, each variant in a fresh cluster (a process of
 its own, since Ray reads its settings when its processes start):
 
-* ``env``: the actor with a runtime environment of variables, as rank actors are
-  created (``actor_env``), so Ray starts a worker process for it;
-* ``plain``: no runtime environment, so a worker Ray started with the node can take it;
+* ``env``: an actor that imports ``workers.rank`` and warms up as a rank does, with a
+  runtime environment of the rank's variables (``actor_env``), as rank actors were
+  created before [Note: rank settings in process] (rank_env.py): Ray starts a worker
+  process for it;
+* ``actor``: the rank actor itself (``RankActor``, no runtime environment: it sets the
+  variables in its own process), so a worker Ray started with the node can take it;
 * ``+preload``: Ray's ``preload_python_modules`` (``RAY_preload_python_modules``) names
   torch, torch._dynamo and ``workers.rank``, so each worker Ray starts imports them
-  before it takes a task.
+  before it takes a task (``actor+preload`` runs with ``host_allocator: inherit``, since
+  a preloaded torch cannot take the huge-page setting any more).
 
 Times are from ``add_node`` to the worker process's start, to the actor's imports done,
 and to its constructor done (wall clock, one machine).
@@ -33,10 +37,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.output import write_result
 
-VARIANTS = ("env", "env+preload", "plain", "plain+preload")
+VARIANTS = ("env", "env+preload", "actor", "actor+preload")
 PRELOAD = "torch,torch._dynamo,workers.rank"
 
 
@@ -44,12 +49,14 @@ def _one_variant(variant: str, repeats: int) -> list[dict[str, float]]:
     """In this process: a fresh simulated cluster, ``repeats`` joins."""
     import ray
 
-    from workers.cluster import SimulatedCluster, actor_env
+    from workers.cluster import SimulatedCluster
+    from workers.rank_actor import RankActor
+    from workers.rank_env import actor_env
+    from workers.spec import JobSpec
 
     @ray.remote
     class Newcomer:
         def __init__(self) -> None:
-            preloaded = "workers.rank" in sys.modules
             began = time.time()
             import workers.rank as rank
 
@@ -59,29 +66,36 @@ def _one_variant(variant: str, repeats: int) -> list[dict[str, float]]:
                 "process": rank.process_started_at() or began,
                 "imported": imported,
                 "up": time.time(),
-                "preloaded": preloaded,
             }
 
         def figures_(self) -> dict:
             return self.figures
 
-    options: dict = {"num_cpus": 1}
-    if variant.startswith("env"):
-        options["runtime_env"] = {"env_vars": actor_env()}
+    def start() -> tuple[dict[str, float], Any]:
+        """A newcomer asked for at once: the wall-clock times of its start, and its handle."""
+        if variant.startswith("env"):
+            newcomer = Newcomer.options(num_cpus=1, runtime_env={"env_vars": actor_env()}).remote()
+            return ray.get(newcomer.figures_.remote(), timeout=120), newcomer
+        allocator = "inherit" if variant.endswith("+preload") else None
+        resources = {"host_allocator": allocator}
+        spec = JobSpec.model_validate({"name": "newcomer", "resources": resources})
+        actor = ray.remote(RankActor).options(num_cpus=1)
+        rank = actor.remote(actor_env(allocator), "newcomer", 0, spec.model_dump_json())
+        started = ray.get(rank.address.remote(), timeout=120)["started"]
+        return {**started, "process": started["process"] or started["imported"]}, rank
+
     trials = []
     with SimulatedCluster(nodes=0, cpus_per_node=1) as cluster:
         time.sleep(3.0)  # the head settled
         for _ in range(repeats):
             added = time.time()
             node = cluster.add_node(1, wait=False)
-            actor = Newcomer.options(**options).remote()
-            f = ray.get(actor.figures_.remote(), timeout=120)
+            f, actor = start()
             trials.append(
                 {
                     "process_s": f["process"] - added,
                     "imported_s": f["imported"] - added,
                     "up_s": f["up"] - added,
-                    "preloaded": f["preloaded"],
                 }
             )
             ray.kill(actor)

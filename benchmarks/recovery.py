@@ -120,7 +120,7 @@ class _JoinWatch:
         return {
             a["ActorID"]
             for a in self._state.actors().values()
-            if a.get("ActorClassName", "").endswith("RankWorker") and a.get("State") == "ALIVE"
+            if a.get("ActorClassName", "").endswith("RankActor") and a.get("State") == "ALIVE"
         }
 
     def _seats_placed(self) -> bool:

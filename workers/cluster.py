@@ -6,8 +6,8 @@ Left to itself, Ray probes the cloud-metadata address at every start unless
 external address. ``loopback_env`` gives the settings that prevent all three (HOME
 pointing at a directory holding an empty bootstrap config, usage stats off, the
 report URL on loopback, Ray's node address 127.0.0.1) and gloo's interface; they are
-set in this process before Ray starts, so every Ray process inherits them, and are
-passed to every actor through the runtime environment.
+set in this process before Ray starts, so every Ray process inherits them, and
+every rank actor sets them again in its own process (``actor_env`` in rank_env.py).
 """
 
 from __future__ import annotations
@@ -45,38 +45,6 @@ def is_loopback_address(address: str | None) -> bool:
         return False
     host = address.removeprefix("ray://").rsplit(":", 1)[0]
     return host in ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-MAPPED_THRESHOLD = "131072"
-"""``MALLOC_MMAP_THRESHOLD_`` for ranks whose job asks for ``host_allocator: mapped``:
-the setting the planner's host-memory predictions hold for (docs/planner.md)."""
-
-HUGE_PAGES = "1"
-"""``THP_MEM_ALLOC_ENABLE`` for ranks whose job does not ask to ``inherit``: torch aligns
-each host block of 2 MiB or more to 2 MiB and asks the kernel for transparent huge
-pages there (``madvise``), so fresh memory faults once per 2 MiB instead of once per
-4 KiB page. Torch reads it once, at its first allocation: it must be in the environment
-the process starts with."""
-
-
-def actor_env(host_allocator: str | None = None) -> dict[str, str]:
-    """Variables every rank actor gets (from this process's environment), with the
-    host allocator's settings the job's ``resources.host_allocator`` names (unset:
-    ``huge``; see ``ResourcesSpec.host_allocator``)."""
-    keys = (
-        "GLOO_SOCKET_IFNAME",
-        "NCCL_SOCKET_IFNAME",
-        "MALLOC_MMAP_THRESHOLD_",
-        "THP_MEM_ALLOC_ENABLE",
-        "ZEROSERVICE_PEAK_TFLOPS",
-        "RAY_USAGE_STATS_ENABLED",
-    )
-    env = {k: os.environ[k] for k in keys if k in os.environ}
-    if host_allocator != "inherit":
-        env["THP_MEM_ALLOC_ENABLE"] = HUGE_PAGES
-    if host_allocator == "mapped":
-        env["MALLOC_MMAP_THRESHOLD_"] = MAPPED_THRESHOLD
-    return env
 
 
 def use_own_token() -> None:

@@ -33,6 +33,7 @@ from .build import build_dataset, build_model, optimizer_factory
 from .flops import flops_per_token, peak_tflops
 from .messages import RankChunk, RankIdle, RankProgress, RankSaved, RankSetup
 from .metrics import RankMetrics
+from .rank_env import allocator_settings
 from .spec import JobSpec
 
 IMPORTED_AT = time.time()
@@ -158,6 +159,7 @@ class RankWorker:
             "pid": os.getpid(),
             "gpus": ray.get_gpu_ids(),
             "started": self.started,
+            "allocator": allocator_settings(),
         }
 
     def open_rendezvous(self, host: str) -> int:

@@ -25,7 +25,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zeroservice.checkpoint.storage import is_uri
 
-from .cluster import actor_env
 from .messages import RankProgress, RankSetup
 from .placement import (
     Placement,
@@ -34,7 +33,8 @@ from .placement import (
     place,
     replicas_available,
 )
-from .rank import RankWorker
+from .rank_actor import RankActor
+from .rank_env import actor_env
 from .spec import JobSpec
 from .worker_group import GroupStartFailed, RankDied, RankError
 
@@ -461,7 +461,7 @@ class RayWorkerPool:
     def _actor(self, seat: Seat, name: str, rank: int) -> Any:
         res = self.spec.resources
         return (
-            ray.remote(RankWorker)
+            ray.remote(RankActor)
             .options(
                 name=name,
                 namespace=NAMESPACE,
@@ -474,9 +474,14 @@ class RayWorkerPool:
                     placement_group=seat.placement.group,
                     placement_group_bundle_index=seat.bundle,
                 ),
-                runtime_env={"env_vars": actor_env(self.spec.resources.host_allocator)},
             )
-            .remote(self.job_id, rank, self.spec_json, (seat.placement.group.id.hex(), seat.bundle))
+            .remote(
+                actor_env(res.host_allocator),
+                self.job_id,
+                rank,
+                self.spec_json,
+                (seat.placement.group.id.hex(), seat.bundle),
+            )
         )
 
     def reserve(self, group: RayWorkerGroup, count: int) -> None:

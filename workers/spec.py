@@ -228,7 +228,8 @@ class ResourcesSpec(_Strict):
     """CPUs reserved per rank (fractions let ranks share cores, down to Ray's
     precision of 0.0001)."""
     host_allocator: Literal["huge", "mapped", "inherit"] | None = None
-    """How the ranks hold host memory, set in the environment they start with.
+    """How the ranks hold host memory, set in their processes before torch loads (as
+    if they had started with the variables: [Note: rank settings in process]).
     ``huge`` (unset: the same): torch backs every host block of 2 MiB or more with
     transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, where the kernel's THP mode is
     ``madvise`` or ``always``), so writing fresh memory (a step's new tensors, a

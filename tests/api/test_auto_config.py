@@ -9,7 +9,7 @@ import pytest
 
 from api.auto_config import AutoRefused, resolve
 from tests.api.test_routes import TINY
-from workers.cluster import actor_env
+from workers.rank_env import actor_env
 from workers.spec import JobSpec
 from zeroservice.autoconf import RUNTIME_RESERVE, auto_configure
 from zeroservice.config import ConfigError

@@ -23,7 +23,7 @@ JOB = {**TINY_JOB, "name": "e2e", "steps": 12, "checkpoint": {"interval_steps": 
 
 
 def _rank_processes() -> int:
-    return len(processes_with(b"ray::RankWorker"))
+    return len(processes_with(b"ray::RankActor"))
 
 
 def _status(cli, job_id) -> dict | None:

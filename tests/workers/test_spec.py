@@ -178,7 +178,7 @@ def test_host_allocator_sets_the_ranks_start_up_environment(
 ):
     """What each ``resources.host_allocator`` puts in a rank actor's environment; with
     ``inherit`` nothing of its own (the node's variables pass through as they are)."""
-    from workers.cluster import actor_env
+    from workers.rank_env import actor_env
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
