@@ -62,8 +62,8 @@ print(json.dumps({"mapped": mapped, "eligible": thp_eligible(ones)}))
 def _probe(settings: dict[str, str], torch_first: bool = False) -> dict:
     """A fresh interpreter that applies ``settings`` and reports what its allocations got."""
     env = {k: v for k, v in os.environ.items() if k not in settings}
-    env.pop("THP_MEM_ALLOC_ENABLE", None)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    for name in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+        env.pop(name, None)  # glibc's and torch's own defaults, whatever this process has
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(settings), "1" if torch_first else "0"],
