@@ -230,12 +230,12 @@ class ResourcesSpec(_Strict):
     host_allocator: Literal["huge", "mapped", "inherit"] | None = None
     """How the ranks hold host memory, set in their processes before torch loads (as
     if they had started with the variables: [Note: rank settings in process]).
-    ``huge`` (unset: the same): torch backs every host block of 2 MiB or more with
-    transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, where the kernel's THP mode is
-    ``madvise`` or ``always``), so writing fresh memory (a step's new tensors, a
-    restore after a lost rank, a host copy) faults once per 2 MiB instead of once per
-    4 KiB page; glibc keeps its default settings. ``mapped``: the same, and the ranks
-    start with ``MALLOC_MMAP_THRESHOLD_=131072``, so every block above 128 KiB is
+    ``huge`` (unset: the same): torch asks the kernel for transparent huge pages for
+    every host block of 2 MiB or more (``THP_MEM_ALLOC_ENABLE=1``, where the kernel's
+    THP mode is ``madvise`` or ``always``), so writing fresh memory (a step's new
+    tensors, a restore after a lost rank, a host copy) faults once per 2 MiB instead of
+    once per 4 KiB page; glibc keeps its default settings. ``mapped``: the same, and the
+    ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``, so every block above 128 KiB is
     mapped on its own and returned when freed, and resident memory follows the live
     tensors as the planner predicts it (at a cost in step time). ``inherit``: whatever
     the Ray node's environment says. ``stage: "auto"`` sets ``mapped`` for CPU ranks
