@@ -33,11 +33,13 @@ the kernel for transparent huge pages (``madvise``) for each host block of 2 MiB
 more, so fresh memory faults once per 2 MiB instead of once per 4 KiB page. Torch
 reads it once, at its first allocation: see [Note: rank settings in process]."""
 
+ALLOCATOR = ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")
+"""The host allocator's variables (``ResourcesSpec.host_allocator``)."""
+
 FORWARDED = (
     "GLOO_SOCKET_IFNAME",
     "NCCL_SOCKET_IFNAME",
-    "MALLOC_MMAP_THRESHOLD_",
-    "THP_MEM_ALLOC_ENABLE",
+    *ALLOCATOR,
     "ZEROSERVICE_PEAK_TFLOPS",
     "RAY_USAGE_STATS_ENABLED",
 )
@@ -57,10 +59,6 @@ def actor_env(host_allocator: str | None = None) -> dict[str, str]:
     if host_allocator == "mapped":
         env["MALLOC_MMAP_THRESHOLD_"] = MAPPED_THRESHOLD
     return env
-
-
-ALLOCATOR = ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")
-"""The host allocator's variables (``ResourcesSpec.host_allocator``)."""
 
 
 def allocator_settings() -> dict[str, str]:
