@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from workers.messages import Succession
 from workers.spec import JobSpec
 from zeroservice.checkpoint.storage import is_uri
 
@@ -29,10 +30,15 @@ class Backend(Protocol):
         ...
 
     def launch(
-        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+        self,
+        job_id: str,
+        spec: JobSpec,
+        checkpoint_root: str,
+        succession: Succession | None = None,
     ) -> None:
-        """Start the job's supervisor (or find it). ``restarts``: a new supervisor for a
-        job whose supervisor was lost, after that many restarts (this one included)."""
+        """Start the job's supervisor (or find it). ``succession``: a new supervisor
+        for a job whose supervisor was lost (see [Note: supervised supervisor] in
+        api/scheduler.py)."""
         ...
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
@@ -92,14 +98,18 @@ class RayBackend:
         return replicas_available(spec.resources) >= spec.resources.lowest_dp
 
     def launch(
-        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+        self,
+        job_id: str,
+        spec: JobSpec,
+        checkpoint_root: str,
+        succession: Succession | None = None,
     ) -> None:
         self._ensure()
         from workers.jobs import launch
 
         if not is_uri(checkpoint_root):  # an s3:// prefix needs no directory
             Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
-        launch(job_id, spec, checkpoint_root, restarts)
+        launch(job_id, spec, checkpoint_root, succession)
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
         self._ensure()

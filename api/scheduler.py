@@ -29,12 +29,17 @@ Each tick, in one session:
 [Note: supervised supervisor]
 A job's supervisor can die (its process killed, the head restarted). The control
 plane notices at its next sync (the poll finds no supervisor) and, as a restart of
-the job, starts a new supervisor with the job's restart count so far plus one. The
-ranks and their placement group are detached and named after the job, so they
-outlive the lost supervisor: the new one begins in ``resizing``, finds them, waits
-until the call the old one made is over (train or save, under the watchdog), takes
-the ranks' reports since their last save and the points that save carried (what the
-old one may have held unread), saves if the old one did not, and goes on with them.
+the job, starts a new supervisor (``workers.messages.Succession``) with the job's
+restart count so far plus one, which is also its term, and the step of the newest
+``checkpoint/saved`` event stored. The ranks and their placement group are detached
+and named after the job, so they outlive the lost supervisor: the new one begins in
+``resizing``, finds them, waits until the call the old one made is over (train or
+save, under the watchdog) and from then on has the ranks refuse the old one's calls
+still on their way ([Note: supervisor terms] in workers/rank.py), takes the ranks'
+reports since their last save and the points that save carried (every point the
+control plane had not stored: what the old one may have held unread), reports a
+save newer than the stored one (its event was lost with the old supervisor), saves
+if the old one did not, and goes on with them.
 Without a complete, answering group, or with one whose last call failed on a rank (a
 call that reached only some ranks leaves the others' collectives timed out), it
 removes what is left and places a new group that loads the newest sound checkpoint.
@@ -52,6 +57,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 
+from workers.messages import Succession
 from workers.spec import JobSpec
 from workers.state import ACTIVE, TERMINAL, JobState
 
@@ -215,11 +221,12 @@ class Scheduler:
         message = "a new supervisor goes on from the newest checkpoint"
         store.set_status(session, job, JobState.RESIZING, "supervisor_lost", message, record=False)
         session.commit()  # version-checked: a concurrent cancel wins
-        self._relaunch(session, job, spec, restarts)
+        succession = Succession(restarts, store.newest_save(session, job))
+        self._relaunch(session, job, spec, succession)
 
-    def _relaunch(self, session: Session, job: Job, spec: JobSpec, restarts: int) -> None:
+    def _relaunch(self, session: Session, job: Job, spec: JobSpec, succession: Succession) -> None:
         try:
-            self.backend.launch(job.id, spec, job.checkpoint_path, restarts=restarts)
+            self.backend.launch(job.id, spec, job.checkpoint_path, succession)
         except Exception as exc:
             log.warning("job %s: a new supervisor failed to start", job.id, exc_info=True)
             text = str(exc).splitlines()[0][:300] if str(exc) else ""

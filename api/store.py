@@ -355,6 +355,24 @@ def add_events(session: Session, job: Job, events: list[dict], keep: int) -> Non
         _prune(session, JobEvent, job, keep)
 
 
+def newest_save(session: Session, job: Job) -> int:
+    """The step of the job's newest stored ``checkpoint/saved`` event (0: none, or
+    pruned): what a supervisor that replaces a lost one is told was reported (see
+    ``workers.messages.Succession``)."""
+    row = session.execute(
+        select(JobEvent)
+        .where(
+            JobEvent.job_id == job.id,
+            JobEvent.kind == "checkpoint",
+            JobEvent.reason == "saved",
+        )
+        .order_by(JobEvent.id.desc())
+        .limit(1)
+    ).scalar_one_or_none()
+    step = (row.data or {}).get("step") if row is not None else None
+    return step if isinstance(step, int) and step > 0 else 0
+
+
 def add_log_lines(session: Session, job: Job, lines: list[str], keep: int) -> None:
     """Store new log lines, keeping the newest ``keep`` of the job."""
     now = utcnow()

@@ -73,8 +73,9 @@ from .job_states import (
     Starting,
     State,
     Succeeded,
+    replacing_supervisor,
 )
-from .messages import RankChunk, RankIdle, RankProgress, RankSetup
+from .messages import RankChunk, RankIdle, RankProgress, RankSetup, Succession
 from .spec import JobSpec
 from .state import check_transition
 from .tracking import NoTracking, Tracking
@@ -121,7 +122,7 @@ class JobController:
         pool: WorkerPool,
         record: JobRecord,
         cancel: threading.Event | None = None,
-        initial: State | None = None,
+        succession: Succession | None = None,
         tracker: Tracking | None = None,
     ):
         self.spec, self.pool, self.record = spec, pool, record
@@ -130,17 +131,20 @@ class JobController:
         run's end."""
         self.cancel = cancel or threading.Event()
         self.cancel_reason = "cancelled by request"
-        self.state: State = initial or Queued()
+        self.state: State = Queued() if succession is None else replacing_supervisor(succession)
         self.callbacks: list[Callback] = [self._record_status, self._end_tracking]
-        self.unsaved: list[dict[str, Any]] = []
-        """History points since the last checkpoint: the next save carries them (see
-        ``RankSetup.history``)."""
-        self.reported_save: int | None = 0 if initial is None else None
-        """The step of the newest save recorded as ``checkpoint/saved``; None in a
-        supervisor that replaces a lost one, which cannot know what its predecessor
-        recorded (see ``_found_save``)."""
-        if initial is not None:  # a machine that begins elsewhere (a replaced supervisor)
-            record.set_status(initial.kind, initial.reason, initial.message)
+        self.term = 0 if succession is None else succession.restarts
+        """Sent with every train, save and settle: the ranks refuse calls of an older
+        supervisor once a newer one settled them (see [Note: supervisor terms] in
+        workers/rank.py)."""
+        self.reported_save = 0 if succession is None else succession.reported_save
+        """The step of the newest save recorded as ``checkpoint/saved``, here or (a
+        supervisor that replaces a lost one) in the control plane's store: a newer one
+        found is reported (``_stand_at``)."""
+        if succession is not None:  # a machine that begins elsewhere (a replaced supervisor)
+            record.restarts = succession.restarts
+            first = self.state
+            record.set_status(first.kind, first.reason, first.message)
 
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> tuple[State, State]:
@@ -230,7 +234,7 @@ class JobController:
         group = self.pool.adopt()
         if group is None:
             return None
-        stop, idle = self._watch(group, "settle")
+        stop, idle = self._watch(group, "settle", self.term)
         steps = {i.progress.step for i in idle if i is not None}
         broken = [(r, i.failed) for r, i in enumerate(idle) if i is not None and i.failed]
         if stop is not None or len(steps) != 1 or broken:
@@ -249,8 +253,12 @@ class JobController:
         (step,) = steps
         saved = idle[0].progress.saved_step
         self._note_size(group.dp)
-        with self.record.lock:
-            self.record.step = max(saved, group.setups[0].start_step)
+        found = [i.newest_checkpoint for i in idle if i.newest_checkpoint is not None]
+        self._stand_at(
+            max(saved, group.setups[0].start_step),
+            max(found) if found else None,
+            "before its supervisor was lost; found by its ranks",
+        )
         self._recover_history(idle, group.dp)
         mp = self.spec.resources.mp
         self.record.event(
@@ -293,10 +301,8 @@ class JobController:
     def _started(self, group: WorkerGroup) -> State:
         mp = self.spec.resources.mp
         first = group.setups[0]
-        self._carried(first.history, first.start_step)
-        with self.record.lock:
-            self.record.step = first.start_step
-        self._found_save(first)
+        self._carried(first.history)
+        self._loaded(first)
         origin = (
             f"checkpoint {first.loaded} at step {first.start_step}" if first.loaded else "scratch"
         )
@@ -323,22 +329,37 @@ class JobController:
             return Failed(reason=reason, message=f"{message} (restart budget of {budget} spent)")
         return Resizing(reason=reason, message=f"restarting from the newest checkpoint: {message}")
 
-    def _found_save(self, first: RankSetup) -> None:
-        """Record a loaded checkpoint whose save was never reported: the ranks commit a
-        save together, and a rank lost after the commit but before every rank answered
-        interrupts the save call, so its ``checkpoint/saved`` event was not written."""
-        step, path = first.start_step, first.loaded
-        if path is None or self.reported_save is None or step <= self.reported_save:
-            return
-        self.reported_save = step
-        self.record.event(
-            "checkpoint",
-            "saved",
-            f"step {step}: {path} (committed as its group was lost; found when loaded)",
-            path=path,
-            found=True,
+    def _loaded(self, first: RankSetup) -> None:
+        """The ranks stand at the checkpoint they loaded."""
+        self._stand_at(
+            first.start_step,
+            (first.start_step, first.loaded) if first.loaded else None,
+            "before its group or supervisor was lost; found when loaded",
         )
-        self.tracker.checkpoint(step, path)
+
+    def _stand_at(self, step: int, found: tuple[int, str] | None, how: str) -> None:
+        """The job's step is ``step``; ``found``, a checkpoint (step, directory) the ranks
+        saved or loaded, is reported when its ``checkpoint/saved`` event never reached
+        the control plane: the ranks commit a save together, and a rank lost after the
+        commit but before every rank answered interrupts the save call; a supervisor
+        lost after the commit takes the event it had not handed on with it (the
+        control plane tells its successor the newest save it stored,
+        ``Succession.reported_save``)."""
+        if found is not None and found[0] <= self.reported_save:
+            found = None  # reported already
+        with self.record.lock:  # the step and its event in one poll, or neither
+            self.record.step = step
+            if found is not None:
+                self.record.event(
+                    "checkpoint",
+                    "saved",
+                    f"step {found[0]}: {found[1]} (committed {how})",
+                    path=found[1],
+                    found=True,
+                )
+        if found is not None:
+            self.reported_save = found[0]
+            self.tracker.checkpoint(*found)
 
     def _cancelled(self) -> State:
         return Cancelled(message=self.cancel_reason)
@@ -359,7 +380,7 @@ class JobController:
                     return self._grow_in_place(group, more, step)
                 target = step + 1  # look for room again at the next step boundary
             t0 = time.monotonic()
-            stop, chunks = self._watch(group, "train", target)
+            stop, chunks = self._watch(group, "train", target, self.term)
             if stop is not None:
                 return self._interrupted(group, stop)
             self.record.add_chunk(chunks, group.stats())
@@ -377,8 +398,8 @@ class JobController:
         next chunk's save tries again; after the last step it is tried again up to
         ``FINAL_SAVE_TRIES`` times. See [Note: failed save]."""
         spec, group = self.spec, state.group
-        carried = [p for p in self.unsaved if p["step"] <= step]
-        stop, saves = self._watch(group, "save", spec.checkpoint.keep, carried)
+        carried = self.record.unstored(step)
+        stop, saves = self._watch(group, "save", spec.checkpoint.keep, carried, self.term)
         if stop is not None:
             return self._interrupted(group, stop)
         failed = [s.error for s in saves if s.error]
@@ -393,11 +414,10 @@ class JobController:
                 )
             return Running(group=group, step=step, message=state.message, failed_saves=tries)
         path = saves[0].path
-        self.unsaved = [p for p in self.unsaved if p["step"] > step]
-        with self.record.lock:
+        with self.record.lock:  # the step and its event in one poll, or neither
             self.record.step = step
+            self.record.event("checkpoint", "saved", f"step {step}: {path}", path=path)
         self.reported_save = step
-        self.record.event("checkpoint", "saved", f"step {step}: {path}", path=path)
         if path is not None:
             self.tracker.checkpoint(step, path)
         if step >= spec.steps:
@@ -447,18 +467,15 @@ class JobController:
         shown = "-" if loss is None else f"{loss:.4f}"
         self.record.line(f"step {target}/{spec.steps} loss {shown} {rate:,.0f} tokens/s dp {dp}")
 
-    def _carried(self, points: list[dict[str, Any]], step: int) -> None:
+    def _carried(self, points: list[dict[str, Any]]) -> None:
         """The points a loaded checkpoint carries: the control plane keeps each step
-        once, so those it has are harmless, and those a lost supervisor held are back.
-        Points past ``step`` (the ranks resume there) are trained again."""
-        self.unsaved = [p for p in self.unsaved if p["step"] <= step]
+        once, so those it has are harmless, and those a lost supervisor held are back."""
         if points:
             self.record.add_points(points)
 
     def _add_points(self, chunks: list[RankChunk], dp: int) -> None:
         """The chunk's per-step history, kept and sent to experiment tracking."""
         points = step_points(chunks, self.spec.resources.mp, dp)
-        self.unsaved += points
         self.record.add_points(points)
         self.tracker.steps(points)
 
@@ -529,7 +546,7 @@ class JobController:
         group.setups = setups
         first = setups[0]
         seconds = time.monotonic() - t0
-        self._carried(first.history, first.start_step)
+        self._carried(first.history)
         if first.unreported is not None:  # steps whose chunk was lost with the rank
             self.record.add_chunk([first.unreported], {})
             self._add_points([first.unreported], before)
@@ -539,9 +556,7 @@ class JobController:
         else:
             origin = first.loaded or "scratch"
         if first.fallback:
-            with self.record.lock:
-                self.record.step = first.start_step
-            self._found_save(first)
+            self._loaded(first)
         self.record.event(
             "placed",
             "regrouped",

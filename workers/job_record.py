@@ -37,6 +37,10 @@ class JobRecord:
         self.log: Ring[str] = Ring(MAX_LOG_LINES)
         self.history: Ring[dict[str, Any]] = Ring(MAX_HISTORY)
         """One point per step (workers/history.py, [Note: step history])."""
+        self.stored = 0
+        """The history position up to which the control plane has stored the points:
+        those after it are lost with this supervisor unless a checkpoint carries them
+        (see ``unstored``)."""
         self.losses: dict[int, float] = {}
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.restarts = 0
@@ -101,6 +105,20 @@ class JobRecord:
         with self.lock:
             for point in points:
                 self.history.append(point)
+
+    def mark_stored(self, position: int) -> None:
+        """The control plane asks for the history from ``position`` on: it has stored
+        every point before it (it advances its position only once they are
+        committed)."""
+        with self.lock:
+            self.stored = max(self.stored, min(position, self.history.total))
+
+    def unstored(self, up_to: int) -> list[dict[str, Any]]:
+        """The points of steps up to ``up_to`` that the control plane has not stored,
+        oldest first: what a checkpoint at that step carries, so that a supervisor
+        lost before they were read does not lose them (see ``RankSetup.history``)."""
+        with self.lock:
+            return [dict(p) for p in self.history.since(self.stored) if p["step"] <= up_to]
 
     def loss_at(self, step: int) -> float | None:
         with self.lock:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 from .state import JobState
 
 if TYPE_CHECKING:
+    from .messages import Succession
     from .worker_group import WorkerGroup
 
 
@@ -103,13 +104,13 @@ class Cancelled(State):
     reason: str = "cancelled"
 
 
-def replacing_supervisor(restarts: int) -> Resizing:
+def replacing_supervisor(succession: Succession) -> Resizing:
     """Where a supervisor that replaces a lost one begins (see [Note: supervised
     supervisor] in api/scheduler.py): it adopts the ranks still running, or places a
     group that loads the newest sound checkpoint."""
     return Resizing(
         reason="supervisor_lost",
-        message=f"a new supervisor (restart {restarts}) goes on with the running ranks "
+        message=f"a new supervisor (restart {succession.restarts}) goes on with the running ranks "
         "or from the newest checkpoint",
         adopt=True,
     )

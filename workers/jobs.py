@@ -7,18 +7,21 @@ from typing import Any
 
 import ray
 
+from .messages import Succession
 from .ray_group import reap as reap_ranks
 from .spec import JobSpec
 from .supervisor import NAMESPACE, JobSupervisor, supervisor_name
 
 
 def launch(
-    job_id: str, spec: JobSpec, checkpoint_root: str | Path, restarts: int | None = None
+    job_id: str,
+    spec: JobSpec,
+    checkpoint_root: str | Path,
+    succession: Succession | None = None,
 ) -> Any:
     """Create the job's detached supervisor (or find it: launching twice is harmless)
-    and start it; returns its actor handle. ``restarts``: this supervisor replaces a
-    lost one, the job having restarted that many times (this restart included); it
-    goes on from the newest checkpoint.
+    and start it; returns its actor handle. ``succession``: this supervisor replaces a
+    lost one (see [Note: supervised supervisor] in api/scheduler.py).
 
     The supervisor takes no CPU and lives on the head node, the one node whose loss
     ends the cluster anyway: losing a worker node must never take a job's supervisor
@@ -33,7 +36,7 @@ def launch(
         max_concurrency=16,
         max_restarts=0,
         get_if_exists=True,
-    ).remote(job_id, spec.model_dump_json(), str(checkpoint_root), restarts)
+    ).remote(job_id, spec.model_dump_json(), str(checkpoint_root), succession)
     ray.get(handle.start.remote())
     return handle
 

@@ -67,9 +67,9 @@ class RankSetup:
     chunk its caller never received (their values are over every replica, see
     ``RankWorker._agree_loss``), so that no step is missing from the history."""
     history: list[dict[str, Any]] = field(default_factory=list)
-    """The job's history points of the steps the loaded checkpoint holds since the one
-    before it (saved in its client state): a supervisor that died before the control
-    plane read them has them back this way."""
+    """The job's history points the loaded checkpoint carries (in its client state):
+    every point the control plane had not stored when it was saved. A supervisor that
+    died before the control plane read them has them back this way."""
     fallback: str = ""
     """Set by a live resize that could not restore from the peers' memory: why, and so
     ``loaded`` is the checkpoint it loaded instead."""
@@ -101,12 +101,29 @@ class RankIdle:
     have handed them on (nor even received the last chunk's)."""
     saved_history: list[dict[str, Any]] = field(default_factory=list)
     """The history points its last save carried (or the checkpoint it loaded): those
-    the lost supervisor held until that save, which the control plane may not have
-    polled before it was lost."""
+    the control plane had not stored by then, which the lost supervisor may have held
+    unread when it was lost."""
     failed: str = ""
     """How its last call ended when it raised (say a collective its peers never joined,
     when the lost supervisor's call reached only some ranks): its group is broken, and
     a new supervisor must not go on with it."""
+    newest_checkpoint: tuple[int, str] | None = None
+    """(step, directory) of the newest checkpoint it saved or loaded: one its lost
+    supervisor never reported (lost with it) is reported by the new one."""
+
+
+@dataclass(frozen=True)
+class Succession:
+    """What the control plane hands a supervisor that replaces a lost one (see [Note:
+    supervised supervisor] in api/scheduler.py)."""
+
+    restarts: int
+    """The job's restarts so far, this one included."""
+    reported_save: int = 0
+    """The step of the newest ``checkpoint/saved`` event the control plane stored (0:
+    none). A newer checkpoint the new supervisor finds (saved by the ranks it adopts,
+    or the one it loads) was committed while its predecessor's event was lost with it,
+    and the new supervisor reports it."""
 
 
 @dataclass(frozen=True)

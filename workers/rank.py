@@ -118,6 +118,9 @@ class RankWorker:
         self.saved_step = -1
         self._busy = threading.Lock()
         """Held by train and save: one of them at a time, and settle() waits for it."""
+        self._term = 0
+        """The newest supervisor term this rank settled for (see [Note: supervisor
+        terms])."""
         self._failed = ""
         """How the last train or save ended if it raised (``RankIdle.failed``)."""
         self._setup: RankSetup | None = None
@@ -125,6 +128,9 @@ class RankWorker:
         """Step reports since the last save, by step (``RankIdle.since_save``)."""
         self._saved_history: list[dict[str, Any]] = []
         """The points the last save carried (``RankIdle.saved_history``)."""
+        self._newest_checkpoint: tuple[int, str] | None = None
+        """(step, directory) of the newest checkpoint saved or loaded
+        (``RankIdle.newest_checkpoint``)."""
         self._last_stats: dict[str, Any] = {}
         self._unreported: list[dict[str, Any]] = []
         """This chunk's step reports so far (see ``RankSetup.unreported``)."""
@@ -387,6 +393,7 @@ class RankWorker:
         self.tokens = int(result.client_state.get("tokens", 0))
         self._loaded_history = list(result.client_state.get("history", []))
         self._saved_history, self._since_save = self._loaded_history, {}
+        self._newest_checkpoint = (self.step, str(result.path))
         return str(result.path)
 
     def _ready(
@@ -457,21 +464,41 @@ class RankWorker:
         return self._membership
 
     # -- training -------------------------------------------------------------------------
-    def train(self, until: int) -> RankChunk:
-        """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches)."""
-        with self._call():
+    def train(self, until: int, term: int = 0) -> RankChunk:
+        """Optimizer steps up to ``until``; per-step loss (this rank's micro-batches).
+        ``term``: the calling supervisor's (see [Note: supervisor terms])."""
+        with self._call(term) as admitted:
+            if not admitted:
+                return RankChunk(self.rank, self.step, {})
             self._unreported = []
             chunk = self._train(until)
             self._last_stats = chunk.stats
             return chunk
 
     @contextlib.contextmanager
-    def _call(self) -> Iterator[None]:
-        """One train or save at a time (``_busy``), remembering whether it raised."""
+    def _call(self, term: int) -> Iterator[bool]:
+        """One train or save at a time (``_busy``), remembering whether it raised;
+        False (nothing to do) for a call of a supervisor older than the one this rank
+        settled for.
+
+        [Note: supervisor terms]
+        A supervisor's term is 0 for a job's first and ``Succession.restarts`` for one
+        that replaces a lost one: larger for each successor, since the control plane
+        counts the restarts it has seen plus one. A lost supervisor's last train or
+        save may still be on its way to a rank when its successor settles that rank
+        (Ray orders no calls of two callers), and run after it: the rank would train
+        steps that nobody receives, and the successor, having adopted the group at the
+        step it found, would go on with ranks ahead of it and never see those steps
+        in its history. ``settle(term)`` raises the rank's term under the same lock
+        that train and save hold, so such a call either ran before the settle (which
+        reports it) or is refused."""
         with self._busy:
+            if term < self._term:
+                yield False
+                return
             self._failed = ""
             try:
-                yield
+                yield True
             except BaseException as exc:
                 self._failed = f"{type(exc).__name__}: {exc}"[:500]
                 raise
@@ -651,13 +678,18 @@ class RankWorker:
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save(self, keep: int, history: list[dict[str, Any]] | None = None) -> RankSaved:
+    def save(
+        self, keep: int, history: list[dict[str, Any]] | None = None, term: int = 0
+    ) -> RankSaved:
         """Save on every rank; a save that failed (a full disk) is reported, not
-        raised: training goes on from the previous checkpoint's safety net."""
+        raised: training goes on from the previous checkpoint's safety net. ``term``:
+        the calling supervisor's (see [Note: supervisor terms])."""
         from zeroservice.checkpoint import SaveFailed
 
-        assert self.engine is not None
-        with self._call():
+        with self._call(term) as admitted:
+            if not admitted:
+                return RankSaved(None, f"refused: a call of supervisor term {term}")
+            assert self.engine is not None
             self._phase = RankPhase.CHECKPOINT
             try:
                 path = self.engine.save_checkpoint(
@@ -674,6 +706,7 @@ class RankWorker:
             finally:
                 self._phase = RankPhase.IDLE
             self.saved_step = self.step
+            self._newest_checkpoint = (self.step, str(path))
             self._saved_history = list(history or [])
             self._since_save = {s: r for s, r in self._since_save.items() if s > self.step}
             return RankSaved(str(path))
@@ -689,16 +722,23 @@ class RankWorker:
         if engine is not None:
             engine.interrupt(f"rank(s) {lost} lost")
 
-    def settle(self) -> RankIdle:
+    def settle(self, term: int = 0) -> RankIdle:
         """Wait until the call in flight (a train or save a lost supervisor asked for)
-        is over; what a new supervisor needs to adopt this rank."""
+        is over; what a new supervisor needs to adopt this rank. From now on calls of
+        supervisors older than ``term`` are refused (see [Note: supervisor terms])."""
         with self._busy:
+            self._term = max(self._term, term)
             assert self._setup is not None, "never set up"
             reports = [self._since_save[s] for s in sorted(self._since_save)]
             losses = {r["step"]: r["loss"] for r in reports}
             since_save = RankChunk(self.rank, self.step, losses, self._last_stats, reports)
             return RankIdle(
-                self.progress(), self._setup, since_save, self._saved_history, self._failed
+                self.progress(),
+                self._setup,
+                since_save,
+                self._saved_history,
+                self._failed,
+                self._newest_checkpoint,
             )
 
     # -- watchdog and stats --------------------------------------------------------------

@@ -17,10 +17,9 @@ from typing import Any
 
 from .controller import JobController
 from .job_record import JobRecord
-from .job_states import replacing_supervisor
 
 __all__ = ["NAMESPACE", "JobSupervisor", "supervisor_name"]
-from .messages import JobSnapshot
+from .messages import JobSnapshot, Succession
 from .ray_group import NAMESPACE, RayWorkerPool
 from .spec import JobSpec
 from .state import JobState
@@ -36,8 +35,14 @@ class JobSupervisor:
     """See the module docstring."""
 
     def __init__(
-        self, job_id: str, spec_json: str, checkpoint_root: str, restarts: int | None = None
+        self,
+        job_id: str,
+        spec_json: str,
+        checkpoint_root: str,
+        succession: Succession | None = None,
     ):
+        """``succession``: this supervisor replaces a lost one (see [Note: supervised
+        supervisor] in api/scheduler.py)."""
         self.job_id = job_id
         self.spec = JobSpec.model_validate_json(spec_json)
         self.root = checkpoint_root
@@ -47,18 +52,11 @@ class JobSupervisor:
         tracker = Tracker(job_id, self.spec, checkpoint_root, self._tracking_failed)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        if restarts is None:
+        if succession is None:
             self.record.event("status", "submitted", "job accepted by its supervisor")
-            self.controller = JobController(self.spec, pool, self.record, tracker=tracker)
-        else:
-            self.controller = JobController(
-                self.spec,
-                pool,
-                self.record,
-                initial=replacing_supervisor(restarts),
-                tracker=tracker,
-            )
-            self.record.restarts = restarts
+        self.controller = JobController(
+            self.spec, pool, self.record, succession=succession, tracker=tracker
+        )
 
     def _tracking_failed(self, sink: str, message: str) -> None:
         self.record.event("tracking", "failed", f"{sink} switched off: {message}", sink=sink)
@@ -88,11 +86,16 @@ class JobSupervisor:
     ) -> JobSnapshot:
         """Everything the control plane syncs, in one call: what is new since the
         positions it has seen."""
-        history, total = self.record.history_since(history_since)
+        self.record.mark_stored(history_since)
+        with self.record.lock:  # one moment: the status's step comes with its events
+            status = self.record.snapshot_status()
+            events = self.events(events_since)
+            logs = self.logs(logs_since)
+            history, total = self.record.history_since(history_since)
         return JobSnapshot(
-            status=self.record.snapshot_status(),
-            events=self.events(events_since),
-            logs=self.logs(logs_since),
+            status=status,
+            events=events,
+            logs=logs,
             metrics=self.metrics(),
             history=history,
             history_total=total,

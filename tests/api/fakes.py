@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from api.backend import Capacity
+from workers.messages import Succession
 from workers.placement import bundle
 from workers.spec import JobSpec
 
@@ -34,6 +35,8 @@ class FakeBackend:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.launched: list[str] = []
         self.replaced: list[tuple[str, int]] = []
+        self.successions: list[Succession] = []
+        """What each replacing supervisor was told."""
         """(job, restarts) of every supervisor started in place of a lost one."""
         self.cancelled: list[str] = []
         self.requests: list[list[dict[str, float]]] = []
@@ -58,7 +61,11 @@ class FakeBackend:
         return need <= self.total["CPU"] - self.used
 
     def launch(
-        self, job_id: str, spec: JobSpec, checkpoint_root: str, restarts: int | None = None
+        self,
+        job_id: str,
+        spec: JobSpec,
+        checkpoint_root: str,
+        succession: Succession | None = None,
     ) -> None:
         if job_id in self.refuse_launch:
             raise PermissionError(f"cannot create {checkpoint_root}")
@@ -66,8 +73,10 @@ class FakeBackend:
             if job_id in self.jobs:
                 return  # launching is idempotent: the job's supervisor exists
             self.launched.append(job_id)
-            if restarts is not None:
-                self.replaced.append((job_id, restarts))
+            if succession is not None:
+                self.replaced.append((job_id, succession.restarts))
+                self.successions.append(succession)
+            restarts = None if succession is None else succession.restarts
             cpus = bundle(spec.resources)["CPU"] * spec.resources.lowest_dp
             self.used += cpus
             self.jobs[job_id] = {
@@ -113,6 +122,19 @@ class FakeBackend:
             job["logs"].append(f"step {step}/10 loss 1.0000 100 tokens/s dp 1")
             if status in ("succeeded", "failed", "cancelled"):
                 self.used -= job["cpus"]
+
+    def saved(self, job_id: str, step: int) -> None:
+        """A checkpoint committed, as the supervisor reports it."""
+        with self.lock:
+            self.jobs[job_id]["events"].append(
+                {
+                    "kind": "checkpoint",
+                    "reason": "saved",
+                    "message": f"step {step}: /ckpt/step-{step:08d}",
+                    "step": step,
+                    "path": f"/ckpt/step-{step:08d}",
+                }
+            )
 
     def chunk(self, job_id: str, step: int, loss: float) -> None:
         """One step done, as the supervisor appends its point to the job's history."""

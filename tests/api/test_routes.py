@@ -329,9 +329,15 @@ def test_a_job_whose_supervisor_vanished_gets_a_new_one(harness):
     for _ in range(3):
         fake.move(job["id"], "running", "training", step=4)
         harness.tick()
+    fake.saved(job["id"], 4)
+    fake.move(job["id"], "running", "training", step=4)
+    harness.tick()
+    fake.saved(job["id"], 8)  # lost with the supervisor before a poll read it
     fake.lose_supervisor(job["id"])
     harness.tick()
     assert fake.replaced == [(job["id"], 1)]
+    # The new supervisor learns the newest save stored: one after it is its to report.
+    assert fake.successions[0].reported_save == 4
     got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
     assert got["status"] == "resizing" and got["attempts"] == 1
     fake.move(job["id"], "running", "training", step=6)
@@ -343,7 +349,7 @@ def test_a_job_whose_supervisor_vanished_gets_a_new_one(harness):
     events = c.get(f"/v1/jobs/{job['id']}/events", headers=h).json()
     lost = [e for e in events if e["reason"] == "supervisor_lost"]
     assert [e["kind"] for e in lost] == ["restart"]
-    assert [e["reason"] for e in events].count("training") == 4  # 3 before, 1 after
+    assert [e["reason"] for e in events].count("training") == 5  # 4 before, 1 after
 
 
 def _running(harness: Harness) -> tuple[dict, dict]:

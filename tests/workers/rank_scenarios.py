@@ -107,3 +107,34 @@ def joins_through_the_opened_rendezvous(spec_json: str, root: str) -> dict:
         "kept": worker._store is not None,
         "phases": list(laps.seconds),
     }
+
+
+def refuses_an_older_supervisors_calls(spec_json: str, root: str) -> dict:
+    """A rank settled by a supervisor of term 1 refuses the train and save calls of
+    term 0 (its lost predecessor's, delivered late) and takes those of term 1."""
+    from workers.messages import RankSetup
+    from workers.metrics import LABELS, RankMetrics
+
+    worker = _worker(spec_json, root, restoring=False)
+    # What ``_ready`` sets, without its Ray-served endpoint.
+    worker.metrics, worker.peak = RankMetrics(dict.fromkeys(LABELS, "0")), 0.0
+    worker._start_step, worker._comm_start = 0, worker._comm_totals()
+    worker._setup = RankSetup(0, 0, 0, 0, None)
+    first = worker.train(2, 0)
+    idle = worker.settle(1)
+    late = worker.train(4, 0)
+    late_save = worker.save(2, None, 0)
+    after_late = worker.step
+    then = worker.train(3, 1)
+    saved = worker.save(2, None, 1)
+    return {
+        "first": sorted(first.losses),
+        "settled_at": idle.progress.step,
+        "late": sorted(late.losses),
+        "late_saved": late_save.path,
+        "after_late": after_late,
+        "then": sorted(then.losses),
+        "saved": saved.path,
+        "failed": worker._failed,
+        "newest": worker.settle(1).newest_checkpoint,
+    }

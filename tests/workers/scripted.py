@@ -60,11 +60,15 @@ class ScriptedRank:
         self.since_save: dict[int, float] = {}
         """Losses of the steps trained since its last save (``RankIdle.since_save``)."""
         self.saved_history: list[dict[str, Any]] = []
+        self.newest: tuple[int, str] | None = None
+        """(step, path) of the newest checkpoint it saved or loaded."""
         self.copied = 0
         """The step of this rank's last host copy."""
         self.interrupted = threading.Event()
         self.failed = ""
         """How its last train ended if it raised (``RankIdle.failed``)."""
+        self.term = 0
+        """The newest supervisor term it settled for: older calls are refused."""
         script.living[id(self)] = self
 
     def setup(self, *args: Any) -> RankSetup:
@@ -73,6 +77,7 @@ class ScriptedRank:
         self.step = self.script.saved
         self.saved_history, self.since_save = list(self.script.saved_history), {}
         loaded = f"step-{self.step:08d}" if self.step else None
+        self.newest = (self.step, loaded) if loaded else None
         self.phase = "ready"
         self.setup_info = RankSetup(
             self.rank,
@@ -85,7 +90,9 @@ class ScriptedRank:
         )
         return self.setup_info
 
-    def train(self, until: int) -> RankChunk:
+    def train(self, until: int, term: int = 0) -> RankChunk:
+        if term < self.term:  # a lost supervisor's call, after its successor settled
+            return RankChunk(self.rank, self.step, {})
         self.unreported: dict[int, float] = {}
         self.failed = ""
         try:
@@ -113,6 +120,8 @@ class ScriptedRank:
             self.step = min([r.copied for r in others] + [self.script.lost_copy])
         self.copied = self.step
         loaded = f"step-{self.step:08d}" if fallback else f"host memory at step {self.step}"
+        if fallback:
+            self.newest = (self.step, loaded)
         kept = {s: x for s, x in getattr(self, "unreported", {}).items() if s <= self.step}
         self.unreported = {}
         steps = [{"step": s, "loss": x, "seconds": 0.1, "tokens": 64} for s, x in kept.items()]
@@ -130,14 +139,20 @@ class ScriptedRank:
         )
         return self.setup_info
 
-    def settle(self) -> RankIdle:
+    def settle(self, term: int = 0) -> RankIdle:
+        self.term = max(self.term, term)
         steps = [
             {"step": s, "loss": x, "seconds": 0.1, "tokens": 64}
             for s, x in sorted(self.since_save.items())
         ]
         since_save = RankChunk(self.rank, self.step, dict(self.since_save), {}, steps)
         return RankIdle(
-            self.progress(), self.setup_info, since_save, self.saved_history, self.failed
+            self.progress(),
+            self.setup_info,
+            since_save,
+            self.saved_history,
+            self.failed,
+            self.newest,
         )
 
     def _train(self, until: int) -> RankChunk:
@@ -173,7 +188,11 @@ class ScriptedRank:
         ]
         return RankChunk(self.rank, self.step, losses, {"tokens_per_second": 1.0}, steps)
 
-    def save(self, keep: int, history: list[dict[str, Any]] | None = None) -> RankSaved:
+    def save(
+        self, keep: int, history: list[dict[str, Any]] | None = None, term: int = 0
+    ) -> RankSaved:
+        if term < self.term:
+            return RankSaved(None, f"refused: a call of supervisor term {term}")
         path = f"/ckpt/step-{self.step:08d}"
         if self.step in self.script.full_disk:
             return RankSaved(None, f"{path}: save failed: rank 1: ENOSPC: No space left on device")
@@ -188,6 +207,7 @@ class ScriptedRank:
                 self.script.on_kill()
             raise RankDied(self.rank, "the actor died unexpectedly")
         self.saved_step = self.step
+        self.newest = (self.step, path)
         self.saved_history = list(history or [])
         self.since_save = {}
         return RankSaved(path)

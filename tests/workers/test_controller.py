@@ -21,8 +21,8 @@ from workers.job_states import (
     Running,
     Starting,
     Succeeded,
-    replacing_supervisor,
 )
+from workers.messages import Succession
 from workers.state import TRANSITIONS, IllegalTransition, JobState, check_transition
 from workers.worker_group import RankDied
 
@@ -240,26 +240,32 @@ def test_a_replacement_supervisor_goes_on_from_the_newest_checkpoint():
     script = Script(saved=8)  # what the lost supervisor's job had saved
     spec = tiny_job(steps=12, max_restarts=1)
     record = JobRecord("job", 1, spec.steps, "/ckpt")
-    record.restarts = 1  # counted by the control plane
-    ctl = JobController(spec, scripted_pool(script, 2), record, initial=replacing_supervisor(1))
+    ctl = JobController(spec, scripted_pool(script, 2), record, succession=Succession(1, 8))
     assert record.status == JobState.RESIZING and record.reason == "supervisor_lost"
     assert _steps(ctl, 2) == [(Resizing, Running), (Running, Succeeded)]
     assert _events(ctl, "placed")[0]["from_checkpoint"] == "step-00000008"
     assert sorted(record.losses) == [9, 10, 11, 12] and record.restarts == 1
 
 
-def test_a_checkpoint_carries_the_points_since_the_one_before():
-    """A supervisor lost before the control plane read its last points: the new one
-    gets them back from the checkpoint it resumes from."""
+@pytest.mark.parametrize("stored", [0, 4], ids=["none-stored", "four-stored"])
+def test_a_checkpoint_carries_the_points_the_control_plane_has_not_stored(stored):
+    """A supervisor lost before the control plane stored its last points: the new one
+    gets them back from the checkpoint it resumes from, however many saves ago the
+    control plane last read (each save carries every point not yet stored, not only
+    those since the save before)."""
     script = Script()
     spec = tiny_job(steps=12)
     first = _controller(spec, scripted_pool(script, 2))
-    _steps(first, 4)  # steps 1-8 saved at 4 and 8
-    assert [p["step"] for p in script.saved_history] == [5, 6, 7, 8]
+    _steps(first, 3)  # placed; steps 1-4, saved at 4
+    first.record.mark_stored(stored)  # a poll: the control plane has the first points
+    _steps(first, 1)  # steps 5-8, saved at 8
+    assert [p["step"] for p in script.saved_history] == list(range(stored + 1, 9))
+    first.record.mark_stored(99)  # beyond what it has: it has everything
+    assert first.record.unstored(8) == []
     record = JobRecord("job", 1, spec.steps, "/ckpt")
-    ctl = JobController(spec, scripted_pool(script, 2), record, initial=replacing_supervisor(1))
+    ctl = JobController(spec, scripted_pool(script, 2), record, succession=Succession(1, 8))
     ctl.run()
-    assert [p["step"] for p in record.history_since(0)[0]] == list(range(5, 13))
+    assert [p["step"] for p in record.history_since(0)[0]] == list(range(stored + 1, 13))
 
 
 def _orphan(script, pool, trained_to):
@@ -275,10 +281,11 @@ def _orphan(script, pool, trained_to):
     return group
 
 
-def _replacement(spec, pool):
+def _replacement(spec, pool, reported_save=4):
+    """A supervisor replacing a lost one; the control plane has the ``saved`` event
+    of ``reported_save``."""
     record = JobRecord("job", 1, spec.steps, "/ckpt")
-    record.restarts = 1
-    return JobController(spec, pool, record, initial=replacing_supervisor(1))
+    return JobController(spec, pool, record, succession=Succession(1, reported_save))
 
 
 def test_a_replacement_supervisor_adopts_the_running_ranks():
@@ -297,6 +304,25 @@ def test_a_replacement_supervisor_adopts_the_running_ranks():
     assert sorted(ctl.record.losses) == list(range(5, 13))  # the lost chunk's included
     # One point per step, the lost chunk's included.
     assert [h["step"] for h in ctl.record.history_since(0)[0]] == list(range(5, 13))
+
+
+def test_a_lost_supervisors_call_that_arrives_after_the_adoption_is_refused():
+    """The lost supervisor's last train was still on its way when its successor
+    settled the ranks: run then, it would move the ranks past the step the successor
+    adopted them at, and nobody would receive its steps. The ranks refuse it (see
+    [Note: supervisor terms] in workers/rank.py), and the history keeps every step."""
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    orphan = _orphan(script, pool, trained_to=8)
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool)
+    assert _steps(ctl, 1) == [(Resizing, Running)]  # adopted at step 8
+    late = [rank.train(12) for rank in orphan.ranks]  # the lost supervisor's term, 0
+    assert [c.losses for c in late] == [{}, {}] and {r.step for r in orphan.ranks} == {8}
+    assert orphan.ranks[0].save(2).path is None
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and pool.attempts == 1
+    assert [h["step"] for h in ctl.record.history_since(0)[0]] == list(range(5, 13))
+    assert sorted(ctl.record.losses) == list(range(5, 13))
 
 
 def test_a_replacement_supervisor_hands_on_the_steps_its_predecessor_held():
@@ -320,6 +346,40 @@ def test_a_replacement_supervisor_hands_on_the_steps_its_predecessor_held():
     assert ctl.record.status == JobState.SUCCEEDED and pool.attempts == 1
     assert [h["step"] for h in ctl.record.history_since(0)[0]] == list(range(5, 13))
     assert sorted(ctl.record.losses) == list(range(9, 13))
+
+
+@pytest.mark.parametrize("reported_save", [4, 8])
+def test_a_replacement_supervisor_reports_the_save_whose_event_was_lost(reported_save):
+    """The lost supervisor's ranks committed the save at step 8; its ``saved`` event
+    reached the control plane (reported_save 8) or was lost with the supervisor
+    (reported_save 4). The new one reports the save once, whether it adopts the
+    ranks or loads that checkpoint."""
+    script = Script()
+    pool = scripted_pool(script, capacity=2)
+    group = pool.start(pool.place(2, 2, 60), 0)
+    for rank in group.ranks:
+        rank.train(4)
+        rank.save(2)
+        rank.train(8)
+        rank.save(2)
+    pool.orphan = group
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool, reported_save)
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and pool.attempts == 1  # adopted
+    expected = [(8, "/ckpt/step-00000008", True)] if reported_save == 4 else []
+    expected.append((12, "/ckpt/step-00000012", False))
+    saved = [(e["step"], e["path"], e.get("found", False)) for e in _events(ctl, "checkpoint")]
+    assert saved == expected
+
+    pool = scripted_pool(Script(saved=8), capacity=2)  # no ranks left: it loads step 8
+    ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool, reported_save)
+    ctl.run()
+    (placed,) = _events(ctl, "placed")
+    assert placed["reason"] == "started" and placed["from_checkpoint"] == "step-00000008"
+    if reported_save == 4:
+        expected[0] = (8, "step-00000008", True)  # the scripted load names it so
+    saved = [(e["step"], e["path"], e.get("found", False)) for e in _events(ctl, "checkpoint")]
+    assert saved == expected
 
 
 def test_a_replacement_supervisor_falls_back_on_the_checkpoint_without_its_ranks():

@@ -52,3 +52,14 @@ def test_a_group_forms_at_the_rendezvous_rank_0_opened(tmp_path):
     assert [r["sum"] for r in results] == [3.0, 3.0, 3.0]
     assert all(r["world"] == 3 and r["opened"] and not r["kept"] for r in results)
     assert results[0]["phases"] == ["rendezvous", "build"]
+
+
+def test_a_rank_refuses_the_calls_of_a_supervisor_older_than_the_one_that_settled_it(tmp_path):
+    """See [Note: supervisor terms] in workers/rank.py."""
+    spec = tiny_job(resources={"dp": 1, "cpus_per_rank": 1})
+    root = str(tmp_path / "ckpt")
+    (r,) = run_local(rs.refuses_an_older_supervisors_calls, 1, spec.model_dump_json(), root)
+    assert r["first"] == [1, 2] and r["settled_at"] == 2
+    assert r["late"] == [] and r["late_saved"] is None and r["after_late"] == 2
+    assert r["then"] == [3] and r["saved"].endswith("step-00000003") and r["failed"] == ""
+    assert r["newest"] == (3, r["saved"])
