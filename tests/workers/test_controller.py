@@ -356,13 +356,8 @@ def test_a_replacement_supervisor_reports_the_save_whose_event_was_lost(reported
     ranks or loads that checkpoint."""
     script = Script()
     pool = scripted_pool(script, capacity=2)
-    group = pool.start(pool.place(2, 2, 60), 0)
-    for rank in group.ranks:
-        rank.train(4)
-        rank.save(2)
-        rank.train(8)
-        rank.save(2)
-    pool.orphan = group
+    for rank in _orphan(script, pool, trained_to=8).ranks:
+        rank.save(2)  # committed; its supervisor died before its event was read
     ctl = _replacement(tiny_job(steps=12, max_restarts=1), pool, reported_save)
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED and pool.attempts == 1  # adopted
