@@ -539,7 +539,7 @@ class JobController:
             if not added:  # the room went before we took it
                 return Running(group=group, step=state.step, message=state.message)
         try:
-            setups = group.regroup(self.record.restarts, not state.lost)
+            setups = group.regroup(self.record.restarts, not state.lost, self.term)
         except GroupStartFailed as failure:
             group.shutdown(clean=False)
             return self._restart("bootstrap_failed", failure.message)

@@ -51,6 +51,11 @@ def _process_bytes(field: str) -> int:
         return 0
 
 
+class SupervisorSuperseded(RuntimeError):
+    """A call of a supervisor older than the one that settled this rank (see [Note:
+    supervisor terms]), refused where refusing cannot be told from a result."""
+
+
 class RankPhase(enum.Enum):
     """What a rank actor is doing; inside a step the engine's own ``TrainingState`` says
     where it is (``progress``)."""
@@ -227,6 +232,7 @@ class RankWorker:
         restarts: int,
         node: str,
         grow: bool,
+        term: int = 0,
     ) -> RankSetup:
         """Re-form the job's group at another size without leaving the process.
 
@@ -238,10 +244,17 @@ class RankWorker:
         A newcomer holds nothing. The new engine is
         restored from what the members hold together; when that lacks a lost rank's
         shards (no redundancy, or two neighbours lost), every rank loads the newest
-        checkpoint instead, and ``RankSetup.fallback`` says why."""
+        checkpoint instead, and ``RankSetup.fallback`` says why. ``term``: the calling
+        supervisor's; an older one's is refused before the rank leaves its group (see
+        [Note: supervisor terms])."""
         from zeroservice.checkpoint import PeersIncomplete
 
         with self._busy:
+            if term < self._term:
+                raise SupervisorSuperseded(
+                    f"rank {self.rank}: a re-forming asked by supervisor term {term}, "
+                    f"after term {self._term} settled this rank"
+                )
             self._phase = RankPhase.BOOTSTRAP
             self._membership = None  # until the re-formed group is ready
             laps, held = Laps(), None
@@ -490,8 +503,10 @@ class RankWorker:
         steps that nobody receives, and the successor, having adopted the group at the
         step it found, would go on with ranks ahead of it and never see those steps
         in its history. ``settle(term)`` raises the rank's term under the same lock
-        that train and save hold, so such a call either ran before the settle (which
-        reports it) or is refused."""
+        that train, save and regroup hold, so such a call either ran before the settle
+        (which reports it) or is refused. A late ``regroup`` would be worse: the rank
+        would drop its engine and wait out the bootstrap timeout at a rendezvous nobody
+        else comes to, and the successor's group would have to restart from disk."""
         with self._busy:
             if term < self._term:
                 yield False

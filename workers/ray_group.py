@@ -341,7 +341,7 @@ class RayWorkerGroup:
         self.world = len(self.actors)
         self.dp = self.world // self.mp
 
-    def regroup(self, restarts: int, grow: bool) -> list[RankSetup]:
+    def regroup(self, restarts: int, grow: bool, term: int = 0) -> list[RankSetup]:
         timeout = self.timeout
         try:
             addresses = ray.get([a.address.remote() for a in self.actors], timeout=timeout)
@@ -359,6 +359,7 @@ class RayWorkerGroup:
                     restarts,
                     f"{addr['ip']}/{addr['node_id'][:8]}",
                     grow,
+                    term,
                 )
                 for r, (a, addr) in enumerate(zip(self.actors, addresses, strict=True))
             ]

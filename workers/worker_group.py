@@ -92,9 +92,10 @@ class WorkerGroup(Protocol):
     def vacancies(self) -> int:
         """Seats of this group's own placements that could take a rank again now."""
 
-    def regroup(self, restarts: int, grow: bool) -> list[RankSetup]:
+    def regroup(self, restarts: int, grow: bool, term: int = 0) -> list[RankSetup]:
         """Every member re-forms the group at its current size and restores the state
-        (see [Note: live resize]); raises GroupStartFailed."""
+        (see [Note: live resize]); raises GroupStartFailed. ``term``: the supervisor's
+        (see [Note: supervisor terms] in workers/rank.py)."""
 
 
 class WorkerPool(Protocol):
@@ -241,11 +242,11 @@ class InProcessGroup:
             occupied = pool.used - self.vacant
             return max(0, min(self.vacant, pool.capacity - occupied))
 
-    def regroup(self, restarts: int, grow: bool) -> list[RankSetup]:
+    def regroup(self, restarts: int, grow: bool, term: int = 0) -> list[RankSetup]:
         world = self.world
         assert not self._pending, "a call is still running"
         self._pending = {
-            self._calls.submit(self._invoke, r, "regroup", world, r, restarts, grow): r
+            self._calls.submit(self._invoke, r, "regroup", world, r, restarts, grow, term): r
             for r in range(world)
         }
         answers = self.wait(timeout=60)

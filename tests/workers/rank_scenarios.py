@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
-from workers.rank import Laps, RankWorker
+from workers.rank import Laps, RankWorker, SupervisorSuperseded
 
 
 def _worker(spec_json: str, root: str, restoring: bool) -> RankWorker:
@@ -110,8 +110,8 @@ def joins_through_the_opened_rendezvous(spec_json: str, root: str) -> dict:
 
 
 def refuses_an_older_supervisors_calls(spec_json: str, root: str) -> dict:
-    """A rank settled by a supervisor of term 1 refuses the train and save calls of
-    term 0 (its lost predecessor's, delivered late) and takes those of term 1."""
+    """A rank settled by a supervisor of term 1 refuses the train, save and regroup
+    calls of term 0 (its lost predecessor's, delivered late) and takes those of term 1."""
     from workers.messages import RankSetup
     from workers.metrics import LABELS, RankMetrics
 
@@ -124,6 +124,13 @@ def refuses_an_older_supervisors_calls(spec_json: str, root: str) -> dict:
     idle = worker.settle(1)
     late = worker.train(4, 0)
     late_save = worker.save(2, None, 0)
+    engine = worker.engine
+    try:  # a rendezvous nobody serves: joining it would wait out the bootstrap timeout
+        worker.regroup("127.0.0.1", 1, 2, 0, root, 0, "node", False, 0)
+        late_regroup = "ran"
+    except SupervisorSuperseded as exc:
+        late_regroup = str(exc)
+    kept_engine = worker.engine is engine and dist.is_initialized()
     after_late = worker.step
     then = worker.train(3, 1)
     saved = worker.save(2, None, 1)
@@ -132,6 +139,8 @@ def refuses_an_older_supervisors_calls(spec_json: str, root: str) -> dict:
         "settled_at": idle.progress.step,
         "late": sorted(late.losses),
         "late_saved": late_save.path,
+        "late_regroup": late_regroup,
+        "kept_engine": kept_engine,
         "after_late": after_late,
         "then": sorted(then.losses),
         "saved": saved.path,

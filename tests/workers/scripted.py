@@ -103,9 +103,11 @@ class ScriptedRank:
         self.since_save.update(chunk.losses)
         return chunk
 
-    def regroup(self, world: int, rank: int, restarts: int, grow: bool) -> RankSetup:
+    def regroup(self, world: int, rank: int, restarts: int, grow: bool, term: int = 0) -> RankSetup:
         """As RankWorker.regroup: the members restore the step their copies share (to
         grow: the step they all stand at), or the newest checkpoint."""
+        if term < self.term:
+            raise RuntimeError(f"a re-forming of supervisor term {term} after term {self.term}")
         if self.script.fail_regroup:
             raise RuntimeError("the rendezvous timed out")
         others = list(self.script.living.values())

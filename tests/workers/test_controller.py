@@ -325,6 +325,26 @@ def test_a_lost_supervisors_call_that_arrives_after_the_adoption_is_refused():
     assert sorted(ctl.record.losses) == list(range(5, 13))
 
 
+def test_a_replacement_supervisor_re_forms_the_adopted_group_under_its_own_term():
+    """The ranks a successor settled refuse re-formings of older terms (see [Note:
+    supervisor terms] in workers/rank.py), so its own must carry its term: a rank
+    lost after the adoption is then left behind in place, from host memory."""
+    script = Script(redundancy=1)
+    pool = scripted_pool(script, capacity=2)
+    orphan = _orphan(script, pool, trained_to=8)
+    script.kill.add((orphan.ranks[1].attempt, 1, 10))
+    script.on_kill = lambda: setattr(pool, "capacity", 1)  # its node is gone
+    ctl = _replacement(_live_job(), pool)
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED
+    regrouped = _events(ctl, "placed")[-1]
+    assert regrouped["reason"] == "regrouped" and regrouped["from_peers"], regrouped
+    assert pool.attempts == 1  # adopted, then shrunk in place: no group started
+    with pytest.raises(RuntimeError, match="term 0 after term 1"):
+        orphan.ranks[0].regroup(1, 0, 0, False)  # the lost supervisor's, late
+    assert sorted(ctl.record.losses) == list(range(5, 13))
+
+
 def test_a_replacement_supervisor_hands_on_the_steps_its_predecessor_held():
     """The lost supervisor saved at step 8 (the save carried steps 5-8) and its ranks
     trained on to 10; the control plane had polled none of steps 5-10 when it was

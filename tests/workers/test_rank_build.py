@@ -61,5 +61,7 @@ def test_a_rank_refuses_the_calls_of_a_supervisor_older_than_the_one_that_settle
     (r,) = run_local(rs.refuses_an_older_supervisors_calls, 1, spec.model_dump_json(), root)
     assert r["first"] == [1, 2] and r["settled_at"] == 2
     assert r["late"] == [] and r["late_saved"] is None and r["after_late"] == 2
+    assert "term 0" in r["late_regroup"] and "term 1" in r["late_regroup"]
+    assert r["kept_engine"], "a refused re-forming left its group"
     assert r["then"] == [3] and r["saved"].endswith("step-00000003") and r["failed"] == ""
     assert r["newest"] == (3, r["saved"])
