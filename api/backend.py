@@ -22,6 +22,11 @@ class Capacity:
     requested: list[dict[str, float]] = field(default_factory=list)
 
 
+class SupervisorSilent(TimeoutError):
+    """A job's supervisor exists but did not answer a poll in time (its process stopped,
+    hung, or slow): not the same as gone, nor as the cluster being out of reach."""
+
+
 class Backend(Protocol):
     def capacity(self) -> Capacity: ...
 
@@ -47,10 +52,21 @@ class Backend(Protocol):
         ...
 
     def poll(
-        self, job_id: str, events_since: int, logs_since: int, history_since: int
+        self,
+        job_id: str,
+        events_since: int,
+        logs_since: int,
+        history_since: int,
+        timeout_s: float = 30.0,
     ) -> dict[str, Any] | None:
         """The supervisor's status, new events, log lines and history chunks (after the
-        positions given), metrics; None if it is gone."""
+        positions given), metrics; None if it is gone; SupervisorSilent if it did not
+        answer within ``timeout_s``."""
+        ...
+
+    def stop_supervisor(self, job_id: str) -> None:
+        """End the job's supervisor process, leaving its ranks running (a successor
+        adopts them)."""
         ...
 
     def cancel(self, job_id: str, reason: str) -> None: ...
@@ -118,21 +134,44 @@ class RayBackend:
         return count_on_worker(spec, timeout_s, memory_bytes)
 
     def poll(
-        self, job_id: str, events_since: int, logs_since: int, history_since: int
+        self,
+        job_id: str,
+        events_since: int,
+        logs_since: int,
+        history_since: int,
+        timeout_s: float = 30.0,
     ) -> dict[str, Any] | None:
         self._ensure()
         import ray
+        from ray.exceptions import GetTimeoutError
 
         from workers.jobs import attach
 
         handle = attach(job_id)
         if handle is None:
             return None
-        # A timeout raises: the supervisor is slow, not gone; the job is left as it is.
-        # So does RayActorError: it died, but while its name is still registered a new
-        # supervisor could not take it; the next poll finds the name free (None).
-        snap = ray.get(handle.poll.remote(events_since, logs_since, history_since), timeout=30)
+        # A timeout raises: the supervisor is slow or stopped, not gone (the scheduler
+        # replaces one that stays silent). So does RayActorError: it died, but while its
+        # name is still registered a new supervisor could not take it; the next poll
+        # finds the name free (None).
+        ref = handle.poll.remote(events_since, logs_since, history_since)
+        try:
+            snap = ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:
+            raise SupervisorSilent(
+                f"the supervisor of job {job_id} did not answer a poll within {timeout_s:g} s"
+            ) from None
         return snap.as_dict()  # a workers.messages.JobSnapshot
+
+    def stop_supervisor(self, job_id: str) -> None:
+        self._ensure()
+        import ray
+
+        from workers.jobs import attach
+
+        handle = attach(job_id)
+        if handle is not None:  # its process is killed: a stopped one too
+            ray.kill(handle, no_restart=True)
 
     def cancel(self, job_id: str, reason: str) -> None:
         self._ensure()

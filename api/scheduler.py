@@ -46,12 +46,21 @@ removes what is left and places a new group that loads the newest sound checkpoi
 The job keeps its stored events, logs and history; the positions read from the
 supervisor start again at 0. Only a spent restart budget (``max_restarts``) fails
 the job, as ``supervisor_lost`` (its leftover ranks removed).
+
+A supervisor can also stop answering without dying: its process stopped (SIGSTOP, a
+frozen VM) or hung. Ray still reports it alive, so nothing above would replace it and
+the job would wait for ever. A poll that times out (``SupervisorSilent``) leaves the
+job as it is; once the supervisor has answered none for ``supervisor_silent_s``, the
+control plane kills its process (``Backend.stop_supervisor``: the ranks keep
+running) and the next sync replaces it as a lost one, saying how long it was silent.
+Only a timeout counts: a cluster out of reach (the Ray link down) stops nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
@@ -62,7 +71,7 @@ from workers.spec import JobSpec
 from workers.state import ACTIVE, TERMINAL, JobState
 
 from . import lease, quota, store
-from .backend import Backend, job_bundles
+from .backend import Backend, SupervisorSilent, job_bundles
 from .confine import checkpoint_base, checkpoint_path
 from .db import Job, utcnow
 from .metrics import ApiMetrics
@@ -92,6 +101,13 @@ class Scheduler:
         self.holder = lease.new_holder()
         self.leader = False
         """Whether this replica held the scheduler's lease at its last tick."""
+        self.clock = time.monotonic
+        """Seconds for ``supervisor_silent_s`` (tests step it by hand)."""
+        self._silent_since: dict[str, float] = {}
+        """Per job, when its supervisor's polls began to time out (monotonic)."""
+        self._stopped: dict[str, str] = {}
+        """Per job whose silent supervisor was stopped, why (for the replacement's
+        event)."""
 
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -138,7 +154,13 @@ class Scheduler:
 
     # -- 1. sync ----------------------------------------------------------------------
     def sync(self, session: Session, only: str | None = None) -> None:
-        for job in store.jobs_in(session, ACTIVE):
+        jobs = store.jobs_in(session, ACTIVE)
+        if only is None:  # forget what is known of supervisors of jobs now ended
+            active = {job.id for job in jobs}
+            for known in (self._silent_since, self._stopped):
+                for job_id in [j for j in known if j not in active]:
+                    del known[job_id]
+        for job in jobs:
             if only is not None and job.id != only:
                 continue
             try:
@@ -152,7 +174,15 @@ class Scheduler:
 
     def _sync_job(self, session: Session, job: Job) -> None:
         seen_history = int((job.metrics or {}).get("history_seen", 0))
-        snap = self.backend.poll(job.id, job.events_seen, job.logs_seen, seen_history)
+        timeout_s = self.settings.supervisor_poll_timeout_s
+        try:
+            snap = self.backend.poll(
+                job.id, job.events_seen, job.logs_seen, seen_history, timeout_s
+            )
+        except SupervisorSilent:
+            self._unanswered(job.id)
+            raise
+        self._silent_since.pop(job.id, None)
         cancelled = store.cancel_request(session, job)
         if cancelled is not None and snap is None:
             # [Note: a cancel is kept]
@@ -194,9 +224,25 @@ class Scheduler:
             if forget is not None:
                 forget(job.id)
 
+    def _unanswered(self, job_id: str) -> None:
+        """A poll of the job's supervisor timed out: once none has been answered for
+        ``supervisor_silent_s``, stop it (see [Note: supervised supervisor])."""
+        now = self.clock()
+        since = self._silent_since.setdefault(job_id, now)
+        if now - since < self.settings.supervisor_silent_s:
+            return
+        log.warning("job %s: supervisor silent for %.0f s: stopping it", job_id, now - since)
+        self.backend.stop_supervisor(job_id)  # raises (kept for the next tick) if it failed
+        del self._silent_since[job_id]
+        self._stopped[job_id] = (
+            f"the job's supervisor answered no poll for {now - since:.0f} s and was stopped"
+        )
+
     def _replace_supervisor(self, session: Session, job: Job) -> None:
         """See [Note: supervised supervisor]."""
-        gone = "the job's supervisor is gone (killed, or the cluster restarted)"
+        gone = self._stopped.pop(
+            job.id, "the job's supervisor is gone (killed, or the cluster restarted)"
+        )
         spec = self._stored_spec(session, job)
         if spec is None:
             return

@@ -85,7 +85,8 @@ class Service:
         """The supervisor's current metrics and targets (no events, logs or history);
         None when it is gone or does not answer now."""
         try:
-            return self.backend.poll(job_id, MAX_ID, MAX_ID, MAX_ID)
+            timeout_s = self.settings.supervisor_poll_timeout_s
+            return self.backend.poll(job_id, MAX_ID, MAX_ID, MAX_ID, timeout_s)
         except Exception as exc:
             log.warning("job %s: no live snapshot: %s", job_id, type(exc).__name__)
             return None

@@ -50,6 +50,12 @@ class Settings:
     """Requests a token may make at once before the rate applies."""
     scheduler_lease_s: float = 15.0
     """A replica that has not ticked for this long loses the scheduler to another."""
+    supervisor_poll_timeout_s: float = 30.0
+    """How long one poll of a job's supervisor may take before it counts as unanswered."""
+    supervisor_silent_s: float = 120.0
+    """A supervisor that has answered no poll for this long (its process stopped or
+    hung) is stopped and replaced, as a lost one is (see [Note: supervised supervisor]
+    in api/scheduler.py)."""
     max_cluster: dict[str, float] = field(default_factory=lambda: {"CPU": 64.0, "GPU": 8.0})
     """Upper bound of what the autoscaler is asked for, in total."""
     device_memory_gib: float = 80.0
@@ -104,6 +110,10 @@ class Settings:
             self.mlflow_tracking_uri = (self.data_dir / "mlruns").absolute().as_uri()
         if not self.data_roots:
             self.data_roots = (str(self.data_dir / "data" / "{tenant}"),)
+        for name in ("supervisor_poll_timeout_s", "supervisor_silent_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -147,7 +157,12 @@ class Settings:
             kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
         if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:
             kwargs["plan_memory_gib"] = float(env["ZEROSERVICE_PLAN_MEMORY_GIB"])
-        for name in ("backfill_grace_s", "rate_per_s"):
+        for name in (
+            "backfill_grace_s",
+            "rate_per_s",
+            "supervisor_poll_timeout_s",
+            "supervisor_silent_s",
+        ):
             if f"ZEROSERVICE_{name.upper()}" in env:
                 kwargs[name] = float(env[f"ZEROSERVICE_{name.upper()}"])
         for name in (

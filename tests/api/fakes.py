@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from api.backend import Capacity
+from api.backend import Capacity, SupervisorSilent
 from workers.messages import Succession
 from workers.placement import bundle
 from workers.spec import JobSpec
@@ -50,6 +50,9 @@ class FakeBackend:
         """Jobs whose supervisor does not answer a poll in time."""
         self.history_asked: list[int] = []
         """``history_since`` of every poll, in order."""
+        self.poll_timeouts: list[float] = []
+        self.stopped: list[str] = []
+        """Jobs whose silent supervisor the scheduler stopped, in order."""
         self.lock = threading.Lock()
 
     def capacity(self) -> Capacity:
@@ -105,6 +108,15 @@ class FakeBackend:
         self.counted.append(spec)
         return count_parameters(spec)
 
+    def stop_supervisor(self, job_id: str) -> None:
+        """Kill a silent supervisor's process: it answers no more polls (None), and its
+        ranks would go on running."""
+        with self.lock:
+            self.stopped.append(job_id)
+            self.slow.discard(job_id)
+            if job_id in self.jobs:
+                self.used -= self.jobs.pop(job_id)["cpus"]
+
     def lose_supervisor(self, job_id: str) -> None:
         """The supervisor's process dies (its ranks with it)."""
         with self.lock:
@@ -148,10 +160,16 @@ class FakeBackend:
                 self.jobs[job_id]["history"].append(point(step, loss))
 
     def poll(
-        self, job_id: str, events_since: int, logs_since: int, history_since: int = 0
+        self,
+        job_id: str,
+        events_since: int,
+        logs_since: int,
+        history_since: int = 0,
+        timeout_s: float = 30.0,
     ) -> dict[str, Any] | None:
+        self.poll_timeouts.append(timeout_s)
         if job_id in self.slow:
-            raise TimeoutError("the supervisor did not answer within 30 s")
+            raise SupervisorSilent(f"the supervisor did not answer within {timeout_s:g} s")
         with self.lock:
             self.history_asked.append(history_since)
             job = self.jobs.get(job_id)

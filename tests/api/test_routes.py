@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select, text
 
 from api.db import ApiToken, Job
+from api.settings import Settings
 from tests.api.conftest import Harness
 from zeroservice.autoconf import RUNTIME_RESERVE
 
@@ -350,6 +351,78 @@ def test_a_job_whose_supervisor_vanished_gets_a_new_one(harness):
     lost = [e for e in events if e["reason"] == "supervisor_lost"]
     assert [e["kind"] for e in lost] == ["restart"]
     assert [e["reason"] for e in events].count("training") == 5  # 4 before, 1 after
+
+
+def test_a_supervisor_that_stays_silent_is_stopped_and_replaced(harness):
+    """A supervisor whose process is stopped (or hung) is alive to Ray and answers no
+    poll. Timed-out polls leave the job alone until none has been answered for
+    ``supervisor_silent_s``; then the control plane stops that process and the next
+    sync starts a successor (see [Note: supervised supervisor] in api/scheduler.py)."""
+    c, fake = harness.client, harness.backend
+    now = [1000.0]
+    harness.service.scheduler.clock = lambda: now[0]
+    silent_s = harness.settings.supervisor_silent_s
+    job, h = _running(harness)
+    fake.saved(job["id"], 2)
+    harness.tick()
+    fake.slow.add(job["id"])
+    harness.tick()  # the first poll unanswered
+    now[0] += silent_s / 2
+    fake.slow.discard(job["id"])
+    harness.tick()  # an answer: the silence starts again at the next unanswered poll
+    fake.slow.add(job["id"])
+    harness.tick()
+    now[0] += silent_s - 1
+    harness.tick()
+    assert fake.stopped == [] and fake.replaced == []
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert got["status"] == "running" and got["attempts"] == 0
+    now[0] += 1
+    harness.tick()  # silent for supervisor_silent_s: stopped
+    assert fake.stopped == [job["id"]] and fake.replaced == []
+    harness.tick()  # gone: a successor, told the newest stored save
+    assert fake.replaced == [(job["id"], 1)] and fake.successions[0].reported_save == 2
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert got["status"] == "resizing" and got["attempts"] == 1
+    (lost,) = [
+        e
+        for e in c.get(f"/v1/jobs/{job['id']}/events", headers=h).json()
+        if e["reason"] == "supervisor_lost"
+    ]
+    assert lost["kind"] == "restart"
+    assert f"answered no poll for {silent_s:.0f} s" in lost["message"], lost
+    assert set(fake.poll_timeouts) == {harness.settings.supervisor_poll_timeout_s}
+
+
+def test_a_silent_supervisor_past_the_restart_budget_fails_its_job(database_url, tmp_path):
+    harness = Harness(database_url, tmp_path / "data", supervisor_silent_s=5.0)
+    c, fake = harness.client, harness.backend
+    now = [0.0]
+    harness.service.scheduler.clock = lambda: now[0]
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**TINY, "max_restarts": 0}
+    job = c.post("/v1/jobs", json={"spec": spec}, headers=h).json()
+    harness.tick()
+    fake.move(job["id"], "running", "training", step=2)
+    harness.tick()
+    fake.slow.add(job["id"])
+    harness.tick()
+    now[0] += 5.0
+    harness.tick()
+    harness.tick()
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert got["status"] == "failed" and got["reason"] == "supervisor_lost", got
+    assert "answered no poll for 5 s" in got["message"] and fake.replaced == []
+    harness.client.close()
+    harness.service.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "name, value", [("supervisor_silent_s", 0.0), ("supervisor_poll_timeout_s", -1.0)]
+)
+def test_supervisor_timeouts_must_be_positive(tmp_path, name, value):
+    with pytest.raises(ValueError, match=name):
+        Settings(data_dir=tmp_path, **{name: value})
 
 
 def _running(harness: Harness) -> tuple[dict, dict]:

@@ -5,6 +5,7 @@ every step."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -28,20 +29,23 @@ SPEC = {
 }
 
 
-def _harness(tmp_path):
+def _harness(tmp_path, **settings):
     from api.backend import RayBackend
     from tests.api.conftest import Harness
 
-    h = Harness(f"sqlite:///{tmp_path / 'store.db'}", tmp_path / "data", backend=RayBackend())
+    h = Harness(
+        f"sqlite:///{tmp_path / 'store.db'}", tmp_path / "data", backend=RayBackend(), **settings
+    )
     return h, h.headers(h.tenant_token("alice"))
 
 
-def _run_and_kill(ray, tmp_path, also_kill_rank: bool):
-    """Submit, wait for the first checkpoint, SIGKILL the supervisor's process (and
-    with ``also_kill_rank`` rank 1's), tick until the job ends; its end and events."""
+def _run_and_kill(ray, tmp_path, also_kill_rank: bool, sig=signal.SIGKILL, **settings):
+    """Submit, wait for the first checkpoint, send ``sig`` to the supervisor's process
+    (SIGKILL with ``also_kill_rank`` to rank 1's), tick until the job ends; its end and
+    events."""
     from workers.jobs import attach
 
-    h, auth = _harness(tmp_path)
+    h, auth = _harness(tmp_path, **settings)
     job_id = h.client.post("/v1/jobs", json={"spec": SPEC}, headers=auth).json()["id"]
 
     def job():
@@ -50,17 +54,21 @@ def _run_and_kill(ray, tmp_path, also_kill_rank: bool):
 
     wait_for(lambda: job()["step"] >= 4, 180, "the first checkpoint", job)
     first = attach(job_id)
-    victims = [ray.get(first.process_id.remote())]
+    supervisor = ray.get(first.process_id.remote())
+    rank = ray.get(first.ranks.remote())[1]["pid"]
+    os.kill(supervisor, sig)
     if also_kill_rank:
-        victims.append(ray.get(first.ranks.remote())[1]["pid"])
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    done = wait_for(
-        lambda: (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job()),
-        300,
-        "the job to end",
-        job,
-    )
+        os.kill(rank, signal.SIGKILL)
+    try:
+        done = wait_for(
+            lambda: (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job()),
+            300,
+            "the job to end",
+            job,
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever the test left stopped
+            os.kill(supervisor, signal.SIGKILL)
     events = h.client.get(f"/v1/jobs/{job_id}/events?limit=1000", headers=auth).json()
     history = h.client.get(f"/v1/jobs/{job_id}/metrics", headers=auth).json()["history"]
     h.client.close()
@@ -81,6 +89,28 @@ def test_a_killed_supervisor_is_replaced_and_adopts_the_running_ranks(local_ray,
     placed = _after_loss(events)
     assert [e["reason"] for e in placed] == ["adopted"], placed
     # Every step's point reached the store, the chunk in flight at the kill included.
+    assert [h["step"] for h in history] == list(range(1, 25))
+
+
+def test_a_stopped_supervisor_is_replaced_and_its_ranks_adopted(local_ray, tmp_path):
+    """SIGSTOP: alive to Ray, silent to the control plane, which stops its process once
+    it has answered no poll for ``supervisor_silent_s`` and starts a successor (see
+    [Note: supervised supervisor] in api/scheduler.py)."""
+    done, events, history = _run_and_kill(
+        local_ray,
+        tmp_path,
+        also_kill_rank=False,
+        sig=signal.SIGSTOP,
+        supervisor_poll_timeout_s=1.0,
+        supervisor_silent_s=3.0,
+    )
+    assert done["status"] == "succeeded", done
+    assert done["step"] == 24 and done["attempts"] == 1
+    (lost,) = [e for e in events if e["kind"] == "restart"]
+    assert lost["reason"] == "supervisor_lost", lost
+    assert "answered no poll for" in lost["message"], lost
+    placed = _after_loss(events)
+    assert [e["reason"] for e in placed] == ["adopted"], placed
     assert [h["step"] for h in history] == list(range(1, 25))
 
 
