@@ -183,6 +183,8 @@ class Scheduler:
             self._unanswered(job.id)
             raise
         self._silent_since.pop(job.id, None)
+        if snap is not None:  # answering again (a stop that did not take)
+            self._stopped.pop(job.id, None)
         cancelled = store.cancel_request(session, job)
         if cancelled is not None and snap is None:
             # [Note: a cancel is kept]
@@ -196,7 +198,16 @@ class Scheduler:
             store.set_status(session, job, JobState.CANCELLED, "cancelled", cancelled)
             return
         if snap is None and job.status == JobState.STARTING:
-            self._launch(session, job, JobSpec.model_validate(job.spec))  # reconcile
+            # [Note: a start launched again]
+            # Committed as starting, no supervisor: its launch never happened (the
+            # control plane stopped in between), or its supervisor was lost before a
+            # poll saw the job run. Then that supervisor may have placed and set up a
+            # group: detached, named as the new one's will be, and holding the CPUs it
+            # needs. It is removed before the job is launched again.
+            reap = getattr(self.backend, "reap", None)
+            if reap is not None:
+                reap(job.id)
+            self._launch(session, job, JobSpec.model_validate(job.spec))
             return
         if snap is None:
             self._replace_supervisor(session, job)

@@ -51,6 +51,8 @@ class FakeBackend:
         self.history_asked: list[int] = []
         """``history_since`` of every poll, in order."""
         self.poll_timeouts: list[float] = []
+        self.reaped: list[str] = []
+        """Jobs whose leftovers were removed, in order."""
         self.stopped: list[str] = []
         """Jobs whose silent supervisor the scheduler stopped, in order."""
         self.lock = threading.Lock()
@@ -107,6 +109,10 @@ class FakeBackend:
 
         self.counted.append(spec)
         return count_parameters(spec)
+
+    def reap(self, job_id: str) -> None:
+        """Remove what a lost supervisor left running (no ranks are modelled here)."""
+        self.reaped.append(job_id)
 
     def stop_supervisor(self, job_id: str) -> None:
         """Kill a silent supervisor's process: it answers no more polls (None), and its

@@ -159,6 +159,9 @@ def test_launching_is_idempotent_and_a_lost_launch_is_redone(harness):
     del harness.backend.jobs[job_id]  # marked starting, but its launch never happened
     harness.tick()
     assert harness.backend.launched == [job_id, job_id]
+    # Whatever a supervisor lost before a poll saw it run left is removed first (see
+    # [Note: a start launched again] in api/scheduler.py).
+    assert harness.backend.reaped == [job_id]
     assert _status(harness, job_id, h)["status"] == "starting"
     harness.tick()  # found this time: not launched again
     assert harness.backend.launched == [job_id, job_id]

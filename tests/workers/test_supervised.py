@@ -114,6 +114,40 @@ def test_a_stopped_supervisor_is_replaced_and_its_ranks_adopted(local_ray, tmp_p
     assert [h["step"] for h in history] == list(range(1, 25))
 
 
+def test_a_supervisor_lost_before_the_store_saw_it_run_leaves_nothing_in_the_way(
+    local_ray, tmp_path
+):
+    """The supervisor placed and set up its group, then died before a poll saw the job
+    running: the store still says ``starting``, so the next tick launches the job again
+    (not a succession). Its first supervisor's ranks and placement group must not stand
+    in the way of the new group (same names, the cluster's CPUs)."""
+    from workers.jobs import attach
+
+    h, auth = _harness(tmp_path)
+    spec = {**SPEC, "steps": 8}
+    job_id = h.client.post("/v1/jobs", json={"spec": spec}, headers=auth).json()["id"]
+
+    def job():
+        return h.client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+
+    h.tick()  # admitted and launched; not polled again until the kill
+    first = attach(job_id)
+    wait_for(lambda: len(local_ray.get(first.ranks.remote())) == 2, 120, "the first group", job)
+    os.kill(local_ray.get(first.process_id.remote()), signal.SIGKILL)
+    assert job()["status"] == "starting"
+
+    def ended():
+        h.tick()
+        return (lambda j: j if j["status"] in ("succeeded", "failed") else None)(job())
+
+    done = wait_for(ended, 300, "the job to end", job)
+    assert done["status"] == "succeeded" and done["step"] == 8, (done["reason"], done["message"])
+    named = local_ray.util.list_named_actors(all_namespaces=True)
+    assert not [a for a in named if a["name"].startswith("zeroservice-rank-")]  # none left
+    h.client.close()
+    h.service.engine.dispose()
+
+
 def test_without_its_ranks_the_new_supervisor_goes_on_from_the_checkpoint(local_ray, tmp_path):
     done, events, _ = _run_and_kill(local_ray, tmp_path, also_kill_rank=True)
     assert done["status"] == "succeeded", done
