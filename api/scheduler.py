@@ -61,6 +61,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
@@ -78,7 +79,14 @@ from .metrics import ApiMetrics
 from .settings import Settings
 
 LEASE = "scheduler"
+POLL_THREADS = 8
+"""Supervisors polled at once (see [Note: polls at once])."""
 log = logging.getLogger("zeroservice.scheduler")
+
+
+def _history_seen(job: Job) -> int:
+    """How many of the supervisor's history points the store has read."""
+    return int((job.metrics or {}).get("history_seen", 0))
 
 
 class Scheduler:
@@ -154,31 +162,51 @@ class Scheduler:
 
     # -- 1. sync ----------------------------------------------------------------------
     def sync(self, session: Session, only: str | None = None) -> None:
+        """Store what every active job's supervisor says.
+
+        [Note: polls at once]
+        The supervisors are polled at once (up to ``POLL_THREADS``), and their answers
+        stored one job at a time, in this thread and session. A silent supervisor (see
+        [Note: supervised supervisor]) then holds one thread for the poll timeout,
+        while every other job's answer is stored in the same tick; polled one after
+        the other, each silent one held up all the others' for that long."""
         jobs = store.jobs_in(session, ACTIVE)
         if only is None:  # forget what is known of supervisors of jobs now ended
             active = {job.id for job in jobs}
             for known in (self._silent_since, self._stopped):
                 for job_id in [j for j in known if j not in active]:
                     del known[job_id]
-        for job in jobs:
-            if only is not None and job.id != only:
-                continue
-            try:
-                self._sync_job(session, job)
-                session.commit()
-            except StaleDataError:  # changed meanwhile (a cancel): read again next tick
-                session.rollback()
-            except Exception as exc:  # the supervisor did not answer: untouched this tick
-                session.rollback()
-                log.warning("job %s: poll failed: %s", job.id, type(exc).__name__)
-
-    def _sync_job(self, session: Session, job: Job) -> None:
-        seen_history = int((job.metrics or {}).get("history_seen", 0))
+        jobs = [job for job in jobs if only is None or job.id == only]
+        if not jobs:
+            return
         timeout_s = self.settings.supervisor_poll_timeout_s
+        with ThreadPoolExecutor(min(POLL_THREADS, len(jobs)), "scheduler-poll") as polls:
+            asked = {
+                job.id: polls.submit(
+                    self.backend.poll,
+                    job.id,
+                    job.events_seen,
+                    job.logs_seen,
+                    _history_seen(job),
+                    timeout_s,
+                )
+                for job in jobs
+            }
+            for job in jobs:
+                try:
+                    self._sync_job(session, job, asked[job.id])
+                    session.commit()
+                except StaleDataError:  # changed meanwhile (a cancel): read again next tick
+                    session.rollback()
+                except Exception as exc:  # the supervisor did not answer: untouched
+                    session.rollback()
+                    log.warning("job %s: poll failed: %s", job.id, type(exc).__name__)
+
+    def _sync_job(self, session: Session, job: Job, asked: Future) -> None:
+        """Store one job's poll (``asked``: its answer, or the error it raised)."""
+        seen_history = _history_seen(job)
         try:
-            snap = self.backend.poll(
-                job.id, job.events_seen, job.logs_seen, seen_history, timeout_s
-            )
+            snap = asked.result()
         except SupervisorSilent:
             self._unanswered(job.id)
             raise

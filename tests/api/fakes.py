@@ -51,6 +51,9 @@ class FakeBackend:
         self.history_asked: list[int] = []
         """``history_since`` of every poll, in order."""
         self.poll_timeouts: list[float] = []
+        self.together: threading.Barrier | None = None
+        """When set, every poll waits at it: a tick's polls pass only if they were all
+        in flight at once."""
         self.reaped: list[str] = []
         """Jobs whose leftovers were removed, in order."""
         self.stopped: list[str] = []
@@ -174,6 +177,9 @@ class FakeBackend:
         timeout_s: float = 30.0,
     ) -> dict[str, Any] | None:
         self.poll_timeouts.append(timeout_s)
+        together = self.together
+        if together is not None:  # answered only once all are asked (or it breaks)
+            together.wait()
         if job_id in self.slow:
             raise SupervisorSilent(f"the supervisor did not answer within {timeout_s:g} s")
         with self.lock:

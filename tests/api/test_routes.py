@@ -394,6 +394,22 @@ def test_a_supervisor_that_stays_silent_is_stopped_and_replaced(harness):
     assert set(fake.poll_timeouts) == {harness.settings.supervisor_poll_timeout_s}
 
 
+def test_every_supervisor_is_polled_at_once(harness):
+    """[Note: polls at once] in api/scheduler.py: the fake answers a tick's three polls
+    only once all three are in flight; polled one after the other, the first would wait
+    at the barrier until it broke."""
+    c, fake = harness.client, harness.backend
+    jobs = [_running(harness) for _ in range(3)]
+    for n, (job, _) in enumerate(jobs):
+        fake.move(job["id"], "running", "training", step=10 + n)
+    fake.together = threading.Barrier(3, timeout=20)
+    harness.tick()
+    assert not fake.together.broken
+    fake.together = None
+    steps = [c.get(f"/v1/jobs/{job['id']}", headers=h).json()["step"] for job, h in jobs]
+    assert steps == [10, 11, 12]
+
+
 def test_a_silent_supervisor_past_the_restart_budget_fails_its_job(database_url, tmp_path):
     harness = Harness(database_url, tmp_path / "data", supervisor_silent_s=5.0)
     c, fake = harness.client, harness.backend
