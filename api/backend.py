@@ -69,7 +69,10 @@ class Backend(Protocol):
         adopts them)."""
         ...
 
-    def cancel(self, job_id: str, reason: str) -> None: ...
+    def cancel(self, job_id: str, reason: str, timeout_s: float = 30.0) -> None:
+        """Ask the job's supervisor to stop (nothing when there is none);
+        SupervisorSilent if it did not take the request within ``timeout_s``."""
+        ...
 
     def request_resources(self, bundles: list[dict[str, float]]) -> None:
         """Tell the autoscaler what the queue needs ([] withdraws the request)."""
@@ -173,15 +176,22 @@ class RayBackend:
         if handle is not None:  # its process is killed: a stopped one too
             ray.kill(handle, no_restart=True)
 
-    def cancel(self, job_id: str, reason: str) -> None:
+    def cancel(self, job_id: str, reason: str, timeout_s: float = 30.0) -> None:
         self._ensure()
         import ray
+        from ray.exceptions import GetTimeoutError
 
         from workers.jobs import attach
 
         handle = attach(job_id)
-        if handle is not None:
-            ray.get(handle.cancel.remote(reason), timeout=30)
+        if handle is None:
+            return
+        try:
+            ray.get(handle.cancel.remote(reason), timeout=timeout_s)
+        except GetTimeoutError:
+            raise SupervisorSilent(
+                f"the supervisor of job {job_id} did not take the cancel within {timeout_s:g} s"
+            ) from None
 
     def forget(self, job_id: str) -> None:
         """Remove a finished job's supervisor (its state is in the store by now)."""

@@ -253,7 +253,7 @@ class Scheduler:
         )
         st = snap["status"]
         if cancelled is not None and not JobState(st["status"]).is_terminal:
-            self.backend.cancel(job.id, cancelled)  # idempotent
+            self.backend.cancel(job.id, cancelled, self.settings.supervisor_poll_timeout_s)
         job.attempts, job.current_dp, job.step = st["restarts"], st["dp"], st["step"]
         job.checkpoint_path = st.get("checkpoint_root", job.checkpoint_path)
         job.updated_at = utcnow()

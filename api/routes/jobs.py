@@ -4,6 +4,7 @@ api/store.py."""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
@@ -13,6 +14,7 @@ from workers.state import ACTIVE, TERMINAL, JobState
 
 from .. import quota, store
 from ..auto_config import configured_event
+from ..backend import SupervisorSilent
 from ..confine import checkpoint_base
 from ..db import Job
 from ..deps import CurrentPrincipal, JobId, ServiceDep, SessionDep, job_or_404
@@ -33,6 +35,10 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Cursor = Annotated[int, Query(ge=0, le=MAX_ID)]
 MAX_HISTORY_PAGE = 1000
 """Most history points one metrics request returns."""
+CANCEL_WAIT_S = 5.0
+"""How long a cancel request waits for the supervisor to take it; one that does not is
+kept and sent again by the scheduler (see [Note: a cancel is kept] in api/scheduler.py)."""
+log = logging.getLogger("zeroservice.api")
 
 
 def _out(db: Session, job: Job, with_spec: bool = False) -> JobOut:
@@ -111,7 +117,10 @@ def cancel(job_id: JobId, service: ServiceDep, db: SessionDep, who: CurrentPrinc
         if job.status == JobState.QUEUED:
             store.cancel_queued(db, job, by)
         else:
-            service.backend.cancel(job.id, by)
+            try:
+                service.backend.cancel(job.id, by, CANCEL_WAIT_S)
+            except SupervisorSilent:  # the scheduler sends it again until the job ends
+                log.warning("job %s: the supervisor did not take the cancel yet", job.id)
             store.record_cancel_request(db, job, who.tenant)
     except store.Conflict as exc:
         raise HTTPException(409, str(exc)) from None

@@ -197,12 +197,15 @@ class FakeBackend:
                 "targets": job["targets"],
             }
 
-    def cancel(self, job_id: str, reason: str) -> None:
+    def cancel(self, job_id: str, reason: str, timeout_s: float = 30.0) -> None:
         """As RayBackend's: nothing when the job has no supervisor; one in ``missed``
-        lets this cancel pass (it raced a relaunch) and hears the next."""
+        lets this cancel pass (it raced a relaunch) and hears the next; one in ``slow``
+        does not answer."""
         self.cancelled.append(job_id)
         if job_id not in self.jobs:
             return
+        if job_id in self.slow:
+            raise SupervisorSilent(f"the supervisor did not take the cancel in {timeout_s:g} s")
         if job_id in self.missed:
             self.missed.discard(job_id)
             return

@@ -478,6 +478,27 @@ def test_a_cancel_the_supervisor_missed_is_sent_again_until_the_job_ends(harness
     assert fake.cancelled == [job["id"]] * 2
 
 
+def test_a_cancel_a_silent_supervisor_does_not_take_is_kept(harness):
+    """The supervisor answers neither the cancel nor polls: the request is still
+    acknowledged and recorded (not a 500 that loses it), and once the supervisor was
+    stopped and replaced, its successor is told to stop."""
+    c, fake = harness.client, harness.backend
+    now = [0.0]
+    harness.service.scheduler.clock = lambda: now[0]
+    job, h = _running(harness)
+    fake.slow.add(job["id"])
+    r = c.post(f"/v1/jobs/{job['id']}/cancel", headers=h)
+    assert r.status_code == 200 and r.json()["status"] == "running", r.text
+    harness.tick()  # silent from here
+    now[0] += harness.settings.supervisor_silent_s
+    harness.tick()  # stopped
+    assert fake.stopped == [job["id"]]
+    harness.tick()  # no supervisor and a cancel recorded: honoured, not replaced
+    got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+    assert got["status"] == "cancelled" and got["message"] == "cancelled by alice", got
+    assert fake.replaced == []
+
+
 def test_a_lost_supervisor_with_the_restart_budget_spent_fails_the_job(harness):
     c, fake = harness.client, harness.backend
     h = harness.headers(harness.tenant_token("alice"))
