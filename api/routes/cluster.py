@@ -25,8 +25,12 @@ def cluster(service: ServiceDep, who: CurrentPrincipal) -> ClusterOut:
 def targets(service: ServiceDep, db: SessionDep, who: TargetsReader) -> list[dict[str, Any]]:
     """Prometheus HTTP service discovery: every active rank's metrics endpoint (of the
     caller's jobs; the metrics token's and an admin's: all)."""
+    jobs = [
+        job.id
+        for job in store.jobs_in(db, ACTIVE)
+        if who is None or who.admin or job.tenant_id == who.tenant_id
+    ]
     found: list[dict[str, Any]] = []
-    for job in store.jobs_in(db, ACTIVE):
-        if who is None or who.admin or job.tenant_id == who.tenant_id:
-            found += (service.live_snapshot(job.id) or {}).get("targets", [])
+    for snap in service.live_snapshots(jobs):
+        found += (snap or {}).get("targets", [])
     return found

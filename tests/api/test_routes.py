@@ -410,6 +410,24 @@ def test_every_supervisor_is_polled_at_once(harness):
     assert steps == [10, 11, 12]
 
 
+def test_the_targets_ask_every_supervisor_at_once_and_skip_a_silent_one(harness):
+    """Prometheus' discovery (``/v1/targets``) asks each running job's supervisor for
+    its ranks' endpoints: at once, so that a silent one costs the request one short
+    wait, and the others' targets are still listed."""
+    c, fake = harness.client, harness.backend
+    jobs = [_running(harness)[0]["id"] for _ in range(3)]
+    for n, job_id in enumerate(jobs):
+        fake.jobs[job_id]["targets"] = [{"targets": [f"127.0.0.1:{9000 + n}"], "labels": {}}]
+    fake.slow.add(jobs[1])
+    fake.together = threading.Barrier(3, timeout=20)
+    r = c.get("/v1/targets", headers=harness.headers(harness.admin))
+    assert not fake.together.broken
+    fake.together = None
+    assert r.status_code == 200, r.text
+    assert sorted(t["targets"][0] for t in r.json()) == ["127.0.0.1:9000", "127.0.0.1:9002"]
+    assert fake.poll_timeouts[-3:] == [5.0] * 3  # LIVE_WAIT_S
+
+
 def test_a_silent_supervisor_past_the_restart_budget_fails_its_job(database_url, tmp_path):
     harness = Harness(database_url, tmp_path / "data", supervisor_silent_s=5.0)
     c, fake = harness.client, harness.backend
