@@ -52,8 +52,9 @@ def _process_bytes(field: str) -> int:
 
 
 class SupervisorSuperseded(RuntimeError):
-    """A call of a supervisor older than the one that settled this rank (see [Note:
-    supervisor terms]), refused where refusing cannot be told from a result."""
+    """A re-forming asked by a supervisor older than the one that settled this rank
+    (see [Note: supervisor terms]). Train and save refuse such calls with an empty
+    answer; a re-forming has none to give, so it raises."""
 
 
 class RankPhase(enum.Enum):

@@ -67,8 +67,9 @@ def _run_and_kill(ray, tmp_path, also_kill_rank: bool, sig=signal.SIGKILL, **set
             job,
         )
     finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever the test left stopped
-            os.kill(supervisor, signal.SIGKILL)
+        if sig == signal.SIGSTOP:  # a stop the control plane did not end ends here
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(supervisor, signal.SIGCONT)
     events = h.client.get(f"/v1/jobs/{job_id}/events?limit=1000", headers=auth).json()
     history = h.client.get(f"/v1/jobs/{job_id}/metrics", headers=auth).json()["history"]
     h.client.close()
