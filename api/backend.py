@@ -79,6 +79,18 @@ class Backend(Protocol):
         ...
 
 
+def _answer(ref: Any, timeout_s: float, who: str, what: str) -> Any:
+    """A supervisor's answer to a call (``ray.get``); SupervisorSilent after
+    ``timeout_s``."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError:
+        raise SupervisorSilent(f"{who} did not {what} within {timeout_s:g} s") from None
+
+
 def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
     """The bundles of the job's smallest size: min_dp replicas of one MP group."""
     from workers.placement import bundle
@@ -145,9 +157,6 @@ class RayBackend:
         timeout_s: float = 30.0,
     ) -> dict[str, Any] | None:
         self._ensure()
-        import ray
-        from ray.exceptions import GetTimeoutError
-
         from workers.jobs import attach
 
         handle = attach(job_id)
@@ -158,12 +167,7 @@ class RayBackend:
         # name is still registered a new supervisor could not take it; the next poll
         # finds the name free (None).
         ref = handle.poll.remote(events_since, logs_since, history_since)
-        try:
-            snap = ray.get(ref, timeout=timeout_s)
-        except GetTimeoutError:
-            raise SupervisorSilent(
-                f"the supervisor of job {job_id} did not answer a poll within {timeout_s:g} s"
-            ) from None
+        snap = _answer(ref, timeout_s, f"the supervisor of job {job_id}", "answer a poll")
         return snap.as_dict()  # a workers.messages.JobSnapshot
 
     def stop_supervisor(self, job_id: str) -> None:
@@ -178,20 +182,12 @@ class RayBackend:
 
     def cancel(self, job_id: str, reason: str, timeout_s: float = 30.0) -> None:
         self._ensure()
-        import ray
-        from ray.exceptions import GetTimeoutError
-
         from workers.jobs import attach
 
         handle = attach(job_id)
-        if handle is None:
-            return
-        try:
-            ray.get(handle.cancel.remote(reason), timeout=timeout_s)
-        except GetTimeoutError:
-            raise SupervisorSilent(
-                f"the supervisor of job {job_id} did not take the cancel within {timeout_s:g} s"
-            ) from None
+        if handle is not None:
+            ref = handle.cancel.remote(reason)
+            _answer(ref, timeout_s, f"the supervisor of job {job_id}", "take the cancel")
 
     def forget(self, job_id: str) -> None:
         """Remove a finished job's supervisor (its state is in the store by now)."""

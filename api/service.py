@@ -26,7 +26,7 @@ from .metrics import ApiMetrics
 from .migrate import upgrade
 from .plan import GIB, PlanRefused, memory_limit, plan_job
 from .rate_limit import RateLimiter
-from .scheduler import Scheduler
+from .scheduler import POLL_THREADS, Scheduler
 from .settings import Settings
 
 log = logging.getLogger("zeroservice.api")
@@ -96,11 +96,11 @@ class Service:
             return None
 
     def live_snapshots(self, job_ids: list[str]) -> list[dict[str, Any] | None]:
-        """``live_snapshot`` of each job, asked at once (eight at a time): a silent
-        supervisor costs a request one wait, not one per job."""
+        """``live_snapshot`` of each job, asked at once (``POLL_THREADS`` at a time): a
+        silent supervisor costs a request one wait, not one per job."""
         if not job_ids:
             return []
-        with ThreadPoolExecutor(min(8, len(job_ids)), "live-snapshot") as asks:
+        with ThreadPoolExecutor(min(POLL_THREADS, len(job_ids)), "live-snapshot") as asks:
             return list(asks.map(self.live_snapshot, job_ids))
 
     def _live_metrics(self) -> dict[str, Any]:
