@@ -72,7 +72,18 @@ SHAPES = {
         GPTConfig(vocab_size=4096, seq_len=64, n_layer=2, n_head=6, dim=384, tie_weights=False),
         8,
     ),
+    # 3 layers, dim 192, 6 heads: 1.9M parameters (tied head), 288 tokens per micro-batch:
+    # no width or vocabulary a power of two
+    "odd": (GPTConfig(vocab_size=3000, seq_len=96, n_layer=3, n_head=6, dim=192), 3),
+    # 4 layers, dim 128, 2 heads: 1.0M parameters (untied head), 1024 tokens per
+    # micro-batch: activations larger than the model
+    "long": (
+        GPTConfig(vocab_size=512, seq_len=256, n_layer=4, n_head=2, dim=128, tie_weights=False),
+        4,
+    ),
 }
+"""The CPU matrix's shapes; ``--shapes`` picks two (the first: the one the extra cases use),
+deep and wide by default."""
 CUDA_SHAPES = {
     # 8 layers, dim 768: 70M parameters (tied head), 4096 tokens per micro-batch
     "gpu-deep": (GPTConfig(vocab_size=16384, seq_len=1024, n_layer=8, n_head=12, dim=768), 4),
@@ -139,15 +150,16 @@ class Case:
         )
 
 
-def matrix(full: bool, device: str = "cpu") -> list[Case]:
-    """Stage x precision x checkpointing for both shapes (32), with MP and offload taken
+def matrix(
+    full: bool, device: str = "cpu", shapes: tuple[str, ...] = ("deep", "wide")
+) -> list[Case]:
+    """Stage x precision x checkpointing for two shapes (32), with MP and offload taken
     from a balanced pattern so that each of their four combinations meets every stage
     and precision; then four more with both on. ``full``: all 128 combinations.
-    ``device`` "cuda": the same on the GPU's shapes."""
-    shapes = list(SHAPES if device == "cpu" else CUDA_SHAPES)
-    deep, wide = shapes
+    ``device`` "cuda": the same on the GPU's shapes (``shapes`` then unused)."""
+    deep, wide = shapes if device == "cpu" else tuple(CUDA_SHAPES)
     cases = []
-    for shape in shapes:
+    for shape in (deep, wide):
         for i, (stage, precision, ckpt) in enumerate(
             itertools.product((0, 1, 2, 3), ("fp32", "bf16"), (False, True))
         ):
@@ -586,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
         help="MKL_DISABLE_FAST_MM=1: MKL keeps no matrix-product buffers between products",
     )
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument(
+        "--shapes",
+        default="deep,wide",
+        help=f"the two CPU shapes of the matrix, of {', '.join(SHAPES)} (default deep,wide)",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument(
         "--rescore",
@@ -650,7 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     if args.mkl_cache_off:
         os.environ["MKL_DISABLE_FAST_MM"] = "1"  # read by MKL when a rank first uses it
-    cases = [c for c in matrix(args.full) if args.only in c.name]
+    shapes = tuple(args.shapes.split(","))
+    if len(shapes) != 2 or len(set(shapes)) != 2 or not set(shapes) <= set(SHAPES):
+        parser.error(f"--shapes: two different names of {', '.join(SHAPES)}, not {args.shapes!r}")
+    cases = [c for c in matrix(args.full, shapes=shapes) if args.only in c.name]
     print(f"{len(cases)} configurations, world {WORLD}, {STEPS} steps each", flush=True)
     print(HEADER, flush=True)
     malloc = "default" if args.default_malloc else "mmap"
