@@ -8,7 +8,7 @@ import pytest
 
 from tests.checkpoint import scenarios as sc
 from tests.engine.scenarios import Spec
-from zeroservice.checkpoint import describe
+from zeroservice.checkpoint import CheckpointError, describe
 from zeroservice.launch import run_local
 
 SPEC = Spec(stage=2)
@@ -121,6 +121,21 @@ def test_inspect_describes_and_verifies(three_saves):
     text = describe(dirs[-1], verify=True)
     assert "step 3" in text and "ZeRO stage 2, fp32, world 2" in text
     assert "every checksum matches" in text and "rank-00001.bin" in text
+
+
+def test_inspecting_what_is_not_one_checkpoint_says_what_it_is(three_saves):
+    """A missing directory, a root of step directories, an uncommitted step: each named."""
+    root, dirs = three_saves
+    with pytest.raises(CheckpointError, match=r"/nowhere: no such checkpoint directory"):
+        describe(root / "nowhere")
+    with pytest.raises(
+        CheckpointError,
+        match=rf"holds 3 step directories, not one checkpoint: .*the last: {dirs[-1]}\)",
+    ):
+        describe(root)
+    (dirs[-1] / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"missing: the checkpoint is incomplete"):
+        describe(dirs[-1])
 
 
 @pytest.mark.parametrize("where", ["shard", "manifest", "directory"])

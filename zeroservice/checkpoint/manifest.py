@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from .files import CheckpointError, atomic_write_bytes
-from .storage import Location, Where, location, storage_for
+from .storage import Location, Storage, Where, location, storage_for
 
 FORMAT = "zeroservice-checkpoint"
 VERSION = 1
@@ -29,15 +29,27 @@ def write_manifest(directory: Location, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
+def _no_manifest(store: Storage, directory: Location, path: Location) -> str:
+    """Why ``directory`` has no manifest, in the words a user needs: no such directory,
+    a root of checkpoints rather than one of them, or a checkpoint never committed."""
+    if not store.is_dir(directory):
+        return f"{directory}: no such checkpoint directory"
+    steps = sorted(d for d in store.list_dirs(directory) if STEP_DIR.match(d))
+    if steps:
+        return (
+            f"{directory}: holds {len(steps)} step directories, not one checkpoint: "
+            f"name one of them (the last: {directory / steps[-1]})"
+        )
+    return f"{path}: missing: the checkpoint is incomplete (never committed)"
+
+
 def read_manifest(directory: Where) -> dict[str, Any]:
     """Load and check a manifest; errors name the file and the problem."""
     path = location(directory) / MANIFEST
     store = storage_for(path)
     try:
         if not store.is_file(path):
-            raise CheckpointError(
-                f"{path}: missing: the checkpoint is incomplete (never committed)"
-            )
+            raise CheckpointError(_no_manifest(store, location(directory), path))
         manifest = json.loads(store.read_bytes(path))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable: {exc}") from exc
