@@ -214,3 +214,21 @@ def test_a_yaml_job_file_reads_exponents_as_numbers(tmp_path):
     assert isinstance(loaded["steps"], float)  # a count written 1e3 is refused by name
     spec = dict(loaded, steps=10, optimizer={**loaded["optimizer"], "weight_decay": 0.0})
     assert JobSpec.model_validate(spec).optimizer.lr == 3e-4
+
+
+def test_a_malformed_job_file_is_a_one_line_error_before_any_request(tmp_path, capsys):
+    """Broken YAML names its line and column, JSON its position; an empty file or one
+    that holds a list is no job spec. The service is never asked (none runs here)."""
+    cases = {
+        "broken.yaml": ("name: x\nmodel: [1,\n", "not valid YAML: line 3, column 1: expected"),
+        "mixed.yaml": ("a: 1\n- b\n", "not valid YAML: line 2, column 1: expected <block end>"),
+        "tagged.yaml": ("a: !!python/object:os.system x\n", "not valid YAML: line 1, column 4"),
+        "empty.yaml": ("", "empty: no job spec in it"),
+        "list.json": ("[1, 2]", "a job spec is a mapping of fields, not a list"),
+        "broken.json": ('{"name": ', "Expecting value: line 1 column 10"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert main(["submit", str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{tmp_path / name}: {message}" in err, err

@@ -54,12 +54,27 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _load_spec(path: str) -> dict[str, Any]:
+    """The job spec in a JSON or YAML file; ValueError (or OSError) names what is wrong,
+    so that a malformed file is a one-line error, not a parser's traceback."""
     text = Path(path).read_text()
     if path.endswith((".yaml", ".yml")):
         import yaml
 
-        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader
-    return json.loads(text)
+        try:
+            spec = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            raise ValueError(f"not valid YAML: {where}{exc.problem or exc.context}") from exc
+        except yaml.YAMLError as exc:
+            raise ValueError(f"not valid YAML: {exc}") from exc
+    else:
+        spec = json.loads(text)
+    if spec is None:
+        raise ValueError("empty: no job spec in it")
+    if not isinstance(spec, dict):
+        raise ValueError(f"a job spec is a mapping of fields, not a {type(spec).__name__}")
+    return spec
 
 
 def _yaml_loader() -> type:
