@@ -39,7 +39,7 @@ def _checkpoint_inspect(args: argparse.Namespace) -> int:
 
     try:
         print(describe(args.dir, verify=args.verify))
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         print(f"zeroservice: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -51,7 +51,7 @@ def _checkpoint_export(args: argparse.Namespace) -> int:
     fmt = args.format or ("pt" if args.out.endswith((".pt", ".pth")) else "safetensors")
     try:
         out = export_checkpoint(args.dir, args.out, fmt)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         print(f"zeroservice: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {out} ({fmt}, {Path(out).stat().st_size:,} bytes)")

@@ -138,6 +138,27 @@ def test_inspecting_what_is_not_one_checkpoint_says_what_it_is(three_saves):
         describe(dirs[-1])
 
 
+def test_export_to_where_it_cannot_write_is_a_one_line_error(three_saves, tmp_path, capsys):
+    """A directory, or a file in a directory that does not exist: refused before a byte
+    is read, by the command line in one line, and nothing is written anywhere."""
+    from zscli.cli import main
+
+    _, dirs = three_saves
+    out = tmp_path / "out"
+    out.mkdir()
+    cases = {
+        str(out): f"a directory: name the file to write: '{out}'",
+        str(out / "no" / "m.safetensors"): f"no such directory to write into: '{out / 'no'}'",
+    }
+    for target, message in cases.items():
+        assert main(["checkpoint", "export", str(dirs[-1]), target]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert list(out.iterdir()) == [] and not list(tmp_path.glob("*.tmp"))
+    assert main(["checkpoint", "export", str(dirs[-1]), str(out / "m.pt")]) == 0
+    assert [p.name for p in out.iterdir()] == ["m.pt"]
+
+
 @pytest.mark.parametrize("where", ["shard", "manifest", "directory"])
 def test_a_full_disk_fails_the_save_not_the_training(tmp_path, where):
     """ENOSPC during step 2's save: every rank gets SaveFailed naming it, nothing of

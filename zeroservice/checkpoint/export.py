@@ -9,6 +9,7 @@ read. ``.pt`` output builds a whole state dict in memory (torch.save needs one).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterator
@@ -75,6 +76,11 @@ def export_checkpoint(directory: Where, out: str | Path, fmt: str = "safetensors
     if fmt not in ("safetensors", "pt"):
         raise CheckpointError(f"format: {fmt!r} is not 'safetensors' or 'pt'")
     directory, out = location(directory), Path(out)
+    # Before any byte is read: a destination that cannot be written fails at once.
+    if out.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a directory: name the file to write", str(out))
+    if not out.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no such directory to write into", str(out.parent))
     manifest = read_manifest(directory)
     reader = SegmentReader(directory, manifest["files"])
     reader.check_files(set(manifest["files"]))
