@@ -44,6 +44,10 @@ MAX_COUNT = 2**53
 """The largest integer a field takes (steps, elements, intervals): beyond it a count
 is no longer exact as a JSON number, and no run comes near it."""
 
+MIN_BUCKET_ELEMENTS = 1024
+"""The smallest ``bucket_elements`` (C_B): below it the per-unit bookkeeping outweighs
+the bytes moved. The planner refuses what the engine refuses."""
+
 
 def _shown(value: Any) -> str:
     """``value`` for a message, cut short (a 300-digit integer names nothing)."""
@@ -365,9 +369,10 @@ class ZeroConfig:
         )
         _require(
             self.bucket_elements is None
-            or (_is_int(self.bucket_elements) and self.bucket_elements >= 1024),
+            or (_is_int(self.bucket_elements) and self.bucket_elements >= MIN_BUCKET_ELEMENTS),
             "bucket_elements",
-            f"{self.bucket_elements!r} must be an integer >= 1024 (or null: the default)",
+            f"{self.bucket_elements!r} must be an integer >= {MIN_BUCKET_ELEMENTS} "
+            "(or null: the default)",
         )
         _require(
             isinstance(self.gradient_accumulation_steps, int)

@@ -32,6 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from .config import MIN_BUCKET_ELEMENTS
 from .memory import PARAM_BYTES, model_state_kinds
 from .quantize import BITS, packed_bytes
 
@@ -217,7 +218,7 @@ def plan(
     )
     _check_int("optimizer_bytes", optimizer_bytes, 0)
     if bucket_elements is not None:
-        _check_int("bucket_elements", bucket_elements, 1)
+        _check_int("bucket_elements", bucket_elements, MIN_BUCKET_ELEMENTS)
     _check_mp(spec, mp)
     for name, on in (
         ("partition_activations", partition_activations),
@@ -673,7 +674,7 @@ def _layout(module: nn.Module, dp: int, stage: int, bucket: int | None, grouping
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
     if bucket is not None:
-        _check_int("bucket_elements", bucket, 1)
+        _check_int("bucket_elements", bucket, MIN_BUCKET_ELEMENTS)
     if grouping not in ("blocks", "size"):
         raise PlanError(f"stage3_grouping: {grouping!r} is not 'blocks' or 'size'")
     return plan_layout(

@@ -173,12 +173,27 @@ def test_activation_formula():
         (dict(dp=2, stage=1, quantized_gradients="int2"), "quantized_gradients"),
         (dict(dp=4, stage=1, ranks_per_node=3), "ranks_per_node"),
         (dict(dp=2, stage=1, quantization_block=4), "quantization_block"),
+        (dict(dp=2, stage=2, bucket_elements=1023), "bucket_elements"),  # the engine's minimum
     ],
 )
 def test_invalid_input_names_the_field(kwargs, field):
     cfg = GPTConfig(vocab_size=512, seq_len=32, n_layer=2, n_head=4, dim=64)
     with pytest.raises(PlanError, match=f"^{field}: "):
         planner.plan(cfg, **kwargs)
+
+
+def test_the_planner_takes_the_bucket_sizes_the_engine_takes():
+    """No plan for a C_B the engine would refuse; the engine's smallest one plans."""
+    from zeroservice.config import MIN_BUCKET_ELEMENTS, ConfigError, ZeroConfig
+
+    cfg = GPTConfig(vocab_size=512, seq_len=32, n_layer=2, n_head=4, dim=64)
+    for size in (1, MIN_BUCKET_ELEMENTS - 1):
+        with pytest.raises(ConfigError, match="bucket_elements"):
+            ZeroConfig(stage=2, bucket_elements=size)
+        with pytest.raises(PlanError, match=f"must be >= {MIN_BUCKET_ELEMENTS}"):
+            planner.plan(cfg, dp=2, stage=2, bucket_elements=size)
+    ZeroConfig(stage=2, bucket_elements=MIN_BUCKET_ELEMENTS)
+    assert planner.plan(cfg, dp=2, stage=2, bucket_elements=MIN_BUCKET_ELEMENTS).stage == 2
 
 
 def test_vocab_must_divide_over_mp():
