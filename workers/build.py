@@ -21,6 +21,10 @@ from .spec import FactoryModelSpec, GPTModelSpec, JobSpec, TransformersModelSpec
 class CausalLMLoss(nn.Module):
     """Wraps a ``transformers`` causal LM so that ``forward(inputs, targets)`` is the loss."""
 
+    export_prefix = "model."
+    """What the wrapper adds to the causal LM's names: a checkpoint records it, and an
+    export strips it, so the exported file loads into the ``transformers`` model itself."""
+
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zeroservice
+from zeroservice.checkpoint.export import EXPORT_PREFIX
 from zeroservice.checkpoint.storage import has_entries
 from zeroservice.comm import CommLedger, bus_factor
 from zeroservice.data import micro_batch
@@ -112,6 +113,9 @@ class RankWorker:
         self._rendezvous = ""
         self.spec = JobSpec.model_validate_json(spec_json)
         self.engine: zeroservice.Engine | None = None
+        self.export_prefix = ""
+        """What the built model adds to the user's model's names (a checkpoint records
+        it for export): ``CausalLMLoss.export_prefix`` for a transformers model."""
         self.metrics: RankMetrics | None = None
         self.step = 0
         self.tokens = 0
@@ -380,6 +384,7 @@ class RankWorker:
         self.dataset = build_dataset(spec)
         self.live = getattr(engine.config, "redundancy", "none") != "none"
         self.flops_per_token = flops_per_token(spec, model, engine.psi) / spec.resources.mp
+        self.export_prefix = getattr(model, "export_prefix", "")
 
     def _tokens_per_step(self) -> int:
         spec = self.spec
@@ -714,6 +719,7 @@ class RankWorker:
                         "step": self.step,
                         "tokens": self.tokens,
                         "history": history or [],
+                        EXPORT_PREFIX: self.export_prefix,
                     },
                     keep=keep,
                 )

@@ -50,7 +50,7 @@ def _checkpoint_export(args: argparse.Namespace) -> int:
 
     fmt = args.format or ("pt" if args.out.endswith((".pt", ".pth")) else "safetensors")
     try:
-        out = export_checkpoint(args.dir, args.out, fmt)
+        out = export_checkpoint(args.dir, args.out, fmt, args.prefix)
     except (CheckpointError, OSError) as exc:
         print(f"zeroservice: {exc}", file=sys.stderr)
         return 1
@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir", help="a checkpoint directory (step-N)")
     export.add_argument("out", help="output file (.safetensors, or .pt)")
     export.add_argument("--format", choices=("safetensors", "pt"), help="default: from OUT")
+    export.add_argument(
+        "--prefix",
+        help="export only the names under this prefix, without it ('' keeps every name as "
+        "saved); default: the prefix the checkpoint records (a transformers job's 'model.')",
+    )
     export.set_defaults(func=_checkpoint_export)
     add_plan_parser(sub)
 

@@ -8,7 +8,7 @@ import torch
 from tests.checkpoint import scenarios as sc
 from tests.checkpoint.states import assert_same_states, consolidated
 from tests.engine.scenarios import TINY, Spec
-from zeroservice.checkpoint import export_checkpoint, iter_tensors
+from zeroservice.checkpoint import CheckpointError, export_checkpoint, iter_tensors
 from zeroservice.launch import run_local
 from zeroservice.models import GPT, GPTConfig
 
@@ -78,6 +78,28 @@ def test_export_loads_into_the_plain_model_and_matches_the_engine(tmp_path, save
     torch.testing.assert_close(logits, r["logits"], rtol=0, atol=1e-6)
     masters = dict(iter_tensors(saved_at_4))
     torch.testing.assert_close(state["head.weight"], masters["wte.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_export_under_a_prefix_writes_those_names_without_it(tmp_path, saved_at_4, fmt):
+    """A sub-module's own state dict (what a wrapped model's export needs); a prefix no
+    name has is refused by name, with nothing written."""
+    saved_at_4, _ = saved_at_4
+    out = export_checkpoint(saved_at_4, tmp_path / f"block.{fmt}", fmt, prefix="blocks.1.")
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(out)
+    else:
+        state = torch.load(out, weights_only=True)
+    block = GPT(GPTConfig(**TINY)).blocks[1]
+    assert set(state) == set(block.state_dict())
+    block.load_state_dict(state)  # strict
+    masters = dict(iter_tensors(saved_at_4))
+    torch.testing.assert_close(state["mlp.fc.weight"], masters["blocks.1.mlp.fc.weight"])
+    with pytest.raises(CheckpointError, match=r"no parameter or buffer name begins with 'nope\.'"):
+        export_checkpoint(saved_at_4, tmp_path / "none.pt", "pt", prefix="nope.")
+    assert not (tmp_path / "none.pt").exists()
 
 
 def test_export_streams_one_parameter_at_a_time(tmp_path):

@@ -279,6 +279,20 @@ def test_transformers_model_job(local_ray, tmp_path):
         s["ledger"]["model_states"] == s["ledger"]["expected_padded"] for s in ledgers.values()
     )
     ray.kill(handle)
+    # The export loads into the transformers model itself: the names the service's
+    # wrapper adds are stripped, as the checkpoint records.
+    import transformers
+    from safetensors.torch import load_file
+
+    from zeroservice.checkpoint import export_checkpoint
+
+    newest = sorted((tmp_path / "ckpt").glob("step-*"))[-1]
+    config = transformers.GPT2Config(**TINY_GPT2["config"])
+    exported = load_file(export_checkpoint(newest, tmp_path / "hf.safetensors"))
+    transformers.GPT2LMHeadModel(config).load_state_dict(exported, strict=True)
+    assert set(exported) == set(transformers.GPT2LMHeadModel(config).state_dict())
+    kept = load_file(export_checkpoint(newest, tmp_path / "all.safetensors", prefix=""))
+    assert set(kept) == {f"model.{name}" for name in exported}
 
 
 def _remote_addresses(pids: set[int]) -> set[str]:

@@ -20,7 +20,7 @@ import torch
 
 from .files import CheckpointError, SegmentReader, dtype_of
 from .manifest import read_manifest
-from .storage import Where, location
+from .storage import Location, Where, location
 
 _SAFETENSORS_DTYPES = {
     "float64": "F64",
@@ -69,10 +69,20 @@ def _assemble(
     return out
 
 
-def export_checkpoint(directory: Where, out: str | Path, fmt: str = "safetensors") -> Path:
+EXPORT_PREFIX = "export_prefix"
+"""The client-state key that names the prefix export strips by default: a caller that
+trains a wrapper around the user's model (the service wraps a ``transformers`` model
+as ``model``) records it, so that the exported names are the user's model's own."""
+
+
+def export_checkpoint(
+    directory: Where, out: str | Path, fmt: str = "safetensors", prefix: str | None = None
+) -> Path:
     """Write the full-precision parameters (and persistent buffers) as one file that
     ``model.load_state_dict`` accepts; ``directory`` may be an object-store URI, ``out``
-    is a local file."""
+    is a local file. ``prefix``: only the names under it, written without it (``""``:
+    every name as saved); None: the prefix the checkpoint's client state records under
+    ``EXPORT_PREFIX``, if any."""
     if fmt not in ("safetensors", "pt"):
         raise CheckpointError(f"format: {fmt!r} is not 'safetensors' or 'pt'")
     directory, out = location(directory), Path(out)
@@ -84,17 +94,20 @@ def export_checkpoint(directory: Where, out: str | Path, fmt: str = "safetensors
     manifest = read_manifest(directory)
     reader = SegmentReader(directory, manifest["files"])
     reader.check_files(set(manifest["files"]))
-    entries = []
+    if prefix is None:
+        prefix = str(manifest.get("client_state", {}).get(EXPORT_PREFIX, ""))
+    saved: list[tuple] = []
     for p in manifest["params"]:
-        entries.append((p, "master", "float32", p["shape"], p["numel"]))
+        saved.append((p, "master", "float32", p["shape"], p["numel"]))
     for b in manifest.get("buffers", []):
-        entries.append((b, "buffer", b["dtype"], b["shape"], b["numel"]))
+        saved.append((b, "buffer", b["dtype"], b["shape"], b["numel"]))
+    entries = _under(saved, prefix, directory)
     by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for seg in manifest["segments"]:
         by_key.setdefault((seg["param"], seg["kind"]), []).append(seg)
 
     def tensor(entry) -> torch.Tensor:
-        p, kind, _, shape, numel = entry
+        p, kind, _, shape, numel, _ = entry
         segs = sorted(by_key.get((p["name"], kind), []), key=lambda s: s["start"])
         return _assemble(reader, segs, numel, p["name"], kind).view(shape)
 
@@ -104,7 +117,7 @@ def export_checkpoint(directory: Where, out: str | Path, fmt: str = "safetensors
             state = {}
             for entry in entries:
                 value = tensor(entry)
-                for name in entry[0].get("names", [entry[0]["name"]]):
+                for name in entry[5]:
                     state[name] = value
             torch.save(state, tmp)
         else:
@@ -116,15 +129,33 @@ def export_checkpoint(directory: Where, out: str | Path, fmt: str = "safetensors
     return out
 
 
+def _under(entries: list[tuple], prefix: str, directory: Location) -> list[tuple]:
+    """Each entry with the names it is exported under: those under ``prefix``, without
+    it; an entry with none is left out. A prefix that no name has is an error."""
+    out = []
+    for entry in entries:
+        names = entry[0].get("names", [entry[0]["name"]])
+        kept = [n[len(prefix) :] for n in names if n.startswith(prefix) and n != prefix]
+        if kept:
+            out.append((*entry, kept))
+    if not out:
+        first = sorted(e[0]["name"] for e in entries)[:3]
+        raise CheckpointError(
+            f"{directory}: no parameter or buffer name begins with {prefix!r} "
+            f"(names begin like {', '.join(first)})"
+        )
+    return out
+
+
 def _write_safetensors(path: Path, entries, tensor, manifest: dict[str, Any]) -> None:
     header: dict[str, Any] = {
         "__metadata__": {"format": "pt", "zeroservice_step": str(manifest["step"])}
     }
     offset, order = 0, []
     for entry in entries:
-        p, _, dtype, shape, numel = entry
+        _, _, dtype, shape, numel, names = entry
         nbytes = numel * torch.empty((), dtype=dtype_of(dtype)).element_size()
-        for name in p.get("names", [p["name"]]):
+        for name in names:
             code = _SAFETENSORS_DTYPES.get(dtype)
             if code is None:
                 raise CheckpointError(f"{name}: dtype {dtype} has no safetensors code; use pt")
