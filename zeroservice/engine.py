@@ -45,7 +45,7 @@ from .redundancy import HostCopies
 from .schedule import lr_factor
 from .stages import policy_for
 from .state import StateCell, TrainingState
-from .tensor_parallel import MPGroup, is_mp_sharded, mp_groups_of
+from .tensor_parallel import MPGroup, is_mp_sharded, mp_groups_of, mp_split
 from .units import plan_layout
 from .zeropp import NodeGroups, Scratch, Secondary, build_node_groups, node_of
 
@@ -151,6 +151,13 @@ class Engine:
         for mp_comm in self._model_mp_comms:
             mp_comm.interrupt = self._interrupt
         sharded_names = {n for n, p in module.named_parameters() if is_mp_sharded(p)}
+        self._mp_splits = {
+            n: list(split)
+            for n, p in module.named_parameters(remove_duplicate=False)
+            if (split := mp_split(p)) is not None
+        }
+        """How each MP-sharded parameter is split, by every name it has: checkpoints
+        record it for export (see ``tensor_parallel.mark_sharded``)."""
         deferred = construct.is_deferred(module)
         if callable(init) and not deferred:
             raise ConfigError(
@@ -667,6 +674,7 @@ class Engine:
                 "stage": self.config.stage,
                 "precision": self.config.precision,
                 "psi": self.psi,
+                **({"mp_splits": self._mp_splits} if self.mp_size > 1 else {}),
             },
         )
 

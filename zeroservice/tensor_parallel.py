@@ -74,13 +74,32 @@ def mp_groups_of(module: nn.Module) -> list[MPGroup]:
     return list(groups.values())
 
 
-def mark_sharded(*params: nn.Parameter) -> None:
+def mark_sharded(*params: nn.Parameter, axis: int = 0, groups: int = 1) -> None:
+    """Each rank holds a slice of these along ``axis``; with ``groups`` > 1 the axis
+    stacks that many tensors (q, k, v), each split on its own. A checkpoint records
+    it (``mp_split``), so that an export can put the whole tensor back together."""
     for p in params:
         p.mp_sharded = True  # type: ignore[attr-defined]
+        p.mp_split = (axis, groups)  # type: ignore[attr-defined]
 
 
 def is_mp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "mp_sharded", False))
+
+
+def mp_split(param: torch.Tensor) -> tuple[int, int] | None:
+    """(axis, groups) of a sharded parameter (see ``mark_sharded``); None: replicated."""
+    return getattr(param, "mp_split", None) if is_mp_sharded(param) else None
+
+
+def merge_mp_slices(slices: list[torch.Tensor], axis: int, groups: int) -> torch.Tensor:
+    """The whole tensor from every MP rank's slice, in rank order: the inverse of the
+    layers' ``shard``."""
+    shape = slices[0].shape
+    before, after = shape[:axis], shape[axis + 1 :]
+    grouped = [t.reshape(*before, groups, shape[axis] // groups, *after) for t in slices]
+    whole = torch.cat(grouped, dim=axis + 1)
+    return whole.reshape(*before, shape[axis] * len(slices), *after)
 
 
 class _CopyToMP(torch.autograd.Function):
@@ -177,7 +196,7 @@ class ColumnParallelLinear(_ParallelLinear):
         local = mp.split(out_features // groups, "out_features") * groups
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
-        mark_sharded(*(p for p in (self.weight, self.bias) if p is not None))
+        mark_sharded(*(p for p in (self.weight, self.bias) if p is not None), groups=groups)
         self.reset_parameters()
 
     def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:
@@ -199,7 +218,7 @@ class RowParallelLinear(_ParallelLinear):
         local = mp.split(in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        mark_sharded(self.weight)  # the bias is added after the sum: replicated
+        mark_sharded(self.weight, axis=1)  # the bias is added after the sum: replicated
         self.reset_parameters()
 
     def shard(self, full: torch.Tensor, name: str) -> torch.Tensor:

@@ -315,3 +315,20 @@ def interrupted_mp(spec: MPSpec, flag: str) -> dict:
         "attached": attached and len(model_comms) > 0,
         "detached": all(c.interrupt is None for c in model_comms),
     }
+
+
+def save_for_export(spec: MPSpec, root: str) -> dict:
+    """Train ``spec.steps`` steps, save, then the loss of the next batch in eval mode:
+    what the whole model built from the exported file must compute on the same batch."""
+    topo, engine = build(spec)
+    for step in range(spec.steps):
+        (x, y), *_ = batches(spec, topo, step)
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.save_checkpoint(root)
+    (x, y), *_ = batches(spec, topo, spec.steps)
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(x, y).item()
+    engine.close()
+    return {"loss": loss, "x": x, "y": y, "dp_rank": topo.dp_rank}

@@ -231,6 +231,38 @@ def test_checkpoint_per_mp_slice_resumes_and_reshards_dp(tmp_path):
     assert "saved with model-parallel degree 2; this engine has mp = 1" in refused[0]["error"]
 
 
+@pytest.mark.parametrize("stage,tie", [(3, True), (1, False)])
+def test_an_mp_checkpoint_exports_the_whole_model(tmp_path, stage, tie):
+    """Any MP rank's step directory names the save: the export puts every split
+    parameter back together (q, k and v each whole), and the unsplit GPT loaded from it
+    computes the MP engine's loss on the same batch."""
+    from safetensors.torch import load_file
+
+    from tests.engine.mp_scenarios import save_for_export
+    from zeroservice.checkpoint import CheckpointError, export_checkpoint
+
+    root = tmp_path / "ckpt"
+    runs = run_local(save_for_export, WORLD, MPSpec(stage, 2, steps=3, tie=tie), str(root))
+    model = GPT(GPTConfig(**TINY_MP, tie_weights=tie))
+    for mp_slice in ("mp-00-of-02", "mp-01-of-02"):
+        (step,) = (root / mp_slice).iterdir()
+        state = load_file(export_checkpoint(step, tmp_path / "whole.safetensors"))
+        model.load_state_dict(state)  # strict: every name, every whole shape
+        model.eval()
+        for r in runs:
+            with torch.no_grad():
+                got = model(r["x"], r["y"]).item()
+            assert got == pytest.approx(r["loss"], rel=1e-5)
+    # The job's root is no checkpoint: said so, with its MP ranks' directories.
+    with pytest.raises(CheckpointError, match="one directory per MP rank .mp-00-of-02, mp-01"):
+        export_checkpoint(root, tmp_path / "x.pt", "pt")
+    # A slice that is not of the same save is refused by name.
+    other = root / "mp-01-of-02" / step.name
+    (other / "manifest.json").rename(other / "saved.json")
+    with pytest.raises(CheckpointError, match=r"mp-01-of-02/step-\d+/manifest.json: missing"):
+        export_checkpoint(root / "mp-00-of-02" / step.name, tmp_path / "x.pt", "pt")
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_live_shrink_restores_every_slice_from_peers(tmp_path, stage):
     """MP 2 × DP 2 with host copies loses replica 1 (both its MP ranks): each slice's

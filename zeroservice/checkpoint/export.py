@@ -9,6 +9,7 @@ read. ``.pt`` output builds a whole state dict in memory (torch.save needs one).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..tensor_parallel import merge_mp_slices
 from .files import CheckpointError, SegmentReader, dtype_of
 from .manifest import read_manifest
 from .storage import Location, Where, location
@@ -69,6 +71,51 @@ def _assemble(
     return out
 
 
+class _Slice:
+    """One checkpoint's tensors, read whole: the only one, or one MP rank's."""
+
+    def __init__(self, directory: Location, manifest: dict[str, Any]):
+        self.manifest = manifest
+        self.reader = SegmentReader(directory, manifest["files"])
+        self.reader.check_files(set(manifest["files"]))
+        self.segments: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for seg in manifest["segments"]:
+            self.segments.setdefault((seg["param"], seg["kind"]), []).append(seg)
+
+    def tensor(self, entry: dict[str, Any], kind: str) -> torch.Tensor:
+        name = entry["name"]
+        segs = sorted(self.segments.get((name, kind), []), key=lambda s: s["start"])
+        return _assemble(self.reader, segs, entry["numel"], name, kind).view(entry["shape"])
+
+
+def _mp_slices(
+    directory: Location, manifest: dict[str, Any]
+) -> list[tuple[Location, dict[str, Any]]]:
+    """The checkpoint, or with model parallelism the same step of every MP rank
+    (``.../mp-RR-of-MM/step-N``, any of them named), in MP-rank order, each checked to
+    be the same save."""
+    mp = int(manifest.get("mp", 1))
+    if mp == 1:
+        return [(directory, manifest)]
+    if "mp_splits" not in manifest:
+        raise CheckpointError(
+            f"{directory}: a model-parallel checkpoint that does not record how its "
+            "parameters are split (saved by an older version): it cannot be exported whole"
+        )
+    root, step = directory.parent.parent, directory.name
+    out = []
+    for r in range(mp):
+        where = root / f"mp-{r:02d}-of-{mp:02d}" / step
+        m = manifest if where == directory else read_manifest(where)
+        if (m.get("mp"), m.get("mp_rank"), m["step"]) != (mp, r, manifest["step"]):
+            raise CheckpointError(
+                f"{where}: not MP rank {r} of {mp} at step {manifest['step']} "
+                f"(it says rank {m.get('mp_rank')} of {m.get('mp')} at step {m['step']})"
+            )
+        out.append((where, m))
+    return out
+
+
 EXPORT_PREFIX = "export_prefix"
 """The client-state key that names the prefix export strips by default: a caller that
 trains a wrapper around the user's model (the service wraps a ``transformers`` model
@@ -91,27 +138,44 @@ def export_checkpoint(
         raise IsADirectoryError(errno.EISDIR, "a directory: name the file to write", str(out))
     if not out.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no such directory to write into", str(out.parent))
-    manifest = read_manifest(directory)
-    reader = SegmentReader(directory, manifest["files"])
-    reader.check_files(set(manifest["files"]))
+    with contextlib.ExitStack() as readers:
+        slices = []
+        for where, m in _mp_slices(directory, read_manifest(directory)):
+            slices.append(_Slice(where, m))
+            readers.callback(slices[-1].reader.close)
+        _export(slices, directory, out, fmt, prefix)
+    return out
+
+
+def _export(slices: list[_Slice], directory: Location, out: Path, fmt: str, prefix: str | None):
+    """What ``export_checkpoint`` writes, from the checkpoint's one slice or its MP ranks'."""
+    manifest = slices[0].manifest
     if prefix is None:
         prefix = str(manifest.get("client_state", {}).get(EXPORT_PREFIX, ""))
+    splits: dict[str, list[int]] = manifest.get("mp_splits", {})
     saved: list[tuple] = []
     for p in manifest["params"]:
-        saved.append((p, "master", "float32", p["shape"], p["numel"]))
+        shape, numel = list(p["shape"]), p["numel"]
+        if (split := splits.get(p["name"])) is not None:
+            shape[split[0]] *= len(slices)
+            numel *= len(slices)
+        saved.append((p, "master", "float32", shape, numel))
     for b in manifest.get("buffers", []):
         saved.append((b, "buffer", b["dtype"], b["shape"], b["numel"]))
     entries = _under(saved, prefix, directory)
-    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for seg in manifest["segments"]:
-        by_key.setdefault((seg["param"], seg["kind"]), []).append(seg)
 
     def tensor(entry) -> torch.Tensor:
-        p, kind, _, shape, numel, _ = entry
-        segs = sorted(by_key.get((p["name"], kind), []), key=lambda s: s["start"])
-        return _assemble(reader, segs, numel, p["name"], kind).view(shape)
+        p, kind, _, shape, _, _ = entry
+        split = splits.get(p["name"]) if kind == "master" else None
+        if split is None:
+            return slices[0].tensor(p, kind).view(shape)
+        return merge_mp_slices([s.tensor(p, kind) for s in slices], *split)
 
-    tmp = out.with_name(out.name + ".tmp")
+    _write(out.with_name(out.name + ".tmp"), out, fmt, entries, tensor, manifest)
+
+
+def _write(tmp: Path, out: Path, fmt: str, entries, tensor, manifest: dict[str, Any]) -> None:
+    """``tmp`` written, then renamed ``out``; on any failure nothing is left."""
     try:
         if fmt == "pt":
             state = {}
@@ -124,9 +188,7 @@ def export_checkpoint(
             _write_safetensors(tmp, entries, tensor, manifest)
         os.replace(tmp, out)
     finally:
-        reader.close()
         tmp.unlink(missing_ok=True)
-    return out
 
 
 def _under(entries: list[tuple], prefix: str, directory: Location) -> list[tuple]:

@@ -19,6 +19,7 @@ FORMAT = "zeroservice-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+MP_SLICE_DIR = re.compile(r"^mp-\d+-of-\d+$")
 
 
 def step_dir_name(step: int) -> str:
@@ -34,7 +35,14 @@ def _no_manifest(store: Storage, directory: Location, path: Location) -> str:
     a root of checkpoints rather than one of them, or a checkpoint never committed."""
     if not store.is_dir(directory):
         return f"{directory}: no such checkpoint directory"
-    steps = sorted(d for d in store.list_dirs(directory) if STEP_DIR.match(d))
+    children = store.list_dirs(directory)
+    slices = sorted(d for d in children if MP_SLICE_DIR.match(d))
+    if slices:
+        return (
+            f"{directory}: a model-parallel job's checkpoints, one directory per MP rank "
+            f"({', '.join(slices)}): name a step directory under any of them"
+        )
+    steps = sorted(d for d in children if STEP_DIR.match(d))
     if steps:
         return (
             f"{directory}: holds {len(steps)} step directories, not one checkpoint: "
