@@ -147,7 +147,9 @@ def export_checkpoint(
     return out
 
 
-def _export(slices: list[_Slice], directory: Location, out: Path, fmt: str, prefix: str | None):
+def _export(
+    slices: list[_Slice], directory: Location, out: Path, fmt: str, prefix: str | None
+) -> None:
     """What ``export_checkpoint`` writes, from the checkpoint's one slice or its MP ranks'."""
     manifest = slices[0].manifest
     if prefix is None:
