@@ -32,6 +32,7 @@ against its budget.
 
     python -m benchmarks.planner_oracle                 # the matrix, printed, JSON written
     python -m benchmarks.planner_oracle --full          # every combination (slow)
+    python -m benchmarks.planner_oracle --shapes odd,long  # the matrix on two other shapes
     python -m benchmarks.planner_oracle --rescore FILE  # today's predictions, stored measurements
     python -m benchmarks.planner_oracle --cuda          # the matrix on the GPU
     python -m benchmarks.planner_oracle --cuda --auto 30
