@@ -45,8 +45,8 @@ MAX_COUNT = 2**53
 is no longer exact as a JSON number, and no run comes near it."""
 
 MIN_BUCKET_ELEMENTS = 1024
-"""The smallest ``bucket_elements`` (C_B): below it the per-unit bookkeeping outweighs
-the bytes moved. The planner refuses what the engine refuses."""
+"""The smallest ``bucket_elements`` (C_B) the engine takes; the planner refuses what the
+engine refuses."""
 
 
 def _shown(value: Any) -> str:

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,6 +69,18 @@ def _assemble(
     if covered != numel:
         raise CheckpointError(f"{reader.directory}: {kind} of {name} covers {covered}/{numel}")
     return out
+
+
+class _Entry(NamedTuple):
+    """One tensor the export writes: its manifest record, what it is (``master`` or
+    ``buffer``), its dtype and whole shape, and the names it is written under."""
+
+    record: dict[str, Any]
+    kind: str
+    dtype: str
+    shape: list[int]
+    numel: int
+    names: list[str]
 
 
 class _Slice:
@@ -155,35 +167,36 @@ def _export(
     if prefix is None:
         prefix = str(manifest.get("client_state", {}).get(EXPORT_PREFIX, ""))
     splits: dict[str, list[int]] = manifest.get("mp_splits", {})
-    saved: list[tuple] = []
+    saved: list[_Entry] = []
     for p in manifest["params"]:
         shape, numel = list(p["shape"]), p["numel"]
         if (split := splits.get(p["name"])) is not None:
             shape[split[0]] *= len(slices)
             numel *= len(slices)
-        saved.append((p, "master", "float32", shape, numel))
+        saved.append(_Entry(p, "master", "float32", shape, numel, _names(p)))
     for b in manifest.get("buffers", []):
-        saved.append((b, "buffer", b["dtype"], b["shape"], b["numel"]))
+        saved.append(_Entry(b, "buffer", b["dtype"], b["shape"], b["numel"], _names(b)))
     entries = _under(saved, prefix, directory)
 
-    def tensor(entry) -> torch.Tensor:
-        p, kind, _, shape, _, _ = entry
-        split = splits.get(p["name"]) if kind == "master" else None
+    def tensor(entry: _Entry) -> torch.Tensor:
+        split = splits.get(entry.record["name"]) if entry.kind == "master" else None
         if split is None:
-            return slices[0].tensor(p, kind).view(shape)
-        return merge_mp_slices([s.tensor(p, kind) for s in slices], *split)
+            return slices[0].tensor(entry.record, entry.kind)
+        return merge_mp_slices([s.tensor(entry.record, entry.kind) for s in slices], *split)
 
     _write(out.with_name(out.name + ".tmp"), out, fmt, entries, tensor, manifest)
 
 
-def _write(tmp: Path, out: Path, fmt: str, entries, tensor, manifest: dict[str, Any]) -> None:
+def _write(
+    tmp: Path, out: Path, fmt: str, entries: list[_Entry], tensor, manifest: dict[str, Any]
+) -> None:
     """``tmp`` written, then renamed ``out``; on any failure nothing is left."""
     try:
         if fmt == "pt":
             state = {}
             for entry in entries:
                 value = tensor(entry)
-                for name in entry[5]:
+                for name in entry.names:
                     state[name] = value
             torch.save(state, tmp)
         else:
@@ -193,17 +206,21 @@ def _write(tmp: Path, out: Path, fmt: str, entries, tensor, manifest: dict[str, 
         tmp.unlink(missing_ok=True)
 
 
-def _under(entries: list[tuple], prefix: str, directory: Location) -> list[tuple]:
-    """Each entry with the names it is exported under: those under ``prefix``, without
-    it; an entry with none is left out. A prefix that no name has is an error."""
+def _names(record: dict[str, Any]) -> list[str]:
+    """Every name a saved tensor has (tied parameters have several)."""
+    return record.get("names", [record["name"]])
+
+
+def _under(entries: list[_Entry], prefix: str, directory: Location) -> list[_Entry]:
+    """The entries under ``prefix``, each named without it; an entry with no name
+    under it is left out. A prefix that no name has is an error."""
     out = []
     for entry in entries:
-        names = entry[0].get("names", [entry[0]["name"]])
-        kept = [n[len(prefix) :] for n in names if n.startswith(prefix) and n != prefix]
+        kept = [n[len(prefix) :] for n in entry.names if n.startswith(prefix) and n != prefix]
         if kept:
-            out.append((*entry, kept))
+            out.append(entry._replace(names=kept))
     if not out:
-        first = sorted(e[0]["name"] for e in entries)[:3]
+        first = sorted(e.record["name"] for e in entries)[:3]
         raise CheckpointError(
             f"{directory}: no parameter or buffer name begins with {prefix!r} "
             f"(names begin like {', '.join(first)})"
@@ -211,7 +228,7 @@ def _under(entries: list[tuple], prefix: str, directory: Location) -> list[tuple
     return out
 
 
-def _write_safetensors(path: Path, entries, tensor, manifest: dict[str, Any]) -> None:
+def _write_safetensors(path: Path, entries: list[_Entry], tensor, manifest: dict[str, Any]) -> None:
     header: dict[str, Any] = {
         "__metadata__": {"format": "pt", "zeroservice_step": str(manifest["step"])}
     }
