@@ -5,7 +5,8 @@ when they fit, and tell the autoscaler what the queue needs.
 Each tick, in one session:
 
 0. Lease: among API replicas sharing a store, only the holder of the ``scheduler``
-   lease (api/lease.py) goes on; the others wait for it to lapse.
+   lease (api/lease.py) goes on; the others wait for it to lapse (or for its holder
+   to shut down and release it; a replica restarted after a crash takes it back).
 1. Sync: every job the store thinks active (starting, running, resizing) is polled
    through its supervisor (found by name, so a restarted control plane reattaches to
    the jobs it left running); new events and log lines are copied into the store,
@@ -106,7 +107,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self.ticks = 0
         self.last_error: str | None = None
-        self.holder = lease.new_holder()
+        self.holder, self._holder_file = lease.claim_holder(settings.data_dir)
+        """The name this replica holds the lease under, and the file whose lock keeps
+        it ours (see [Note: a replica restarted after a crash] in lease.py)."""
         self.leader = False
         """Whether this replica held the scheduler's lease at its last tick."""
         self.clock = time.monotonic

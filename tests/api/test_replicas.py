@@ -1,10 +1,13 @@
 """Two API processes on one store (SQLite file or PostgreSQL): one schedules at a
 time (the lease), so every job is launched once and its events stored once; when
-the scheduling one stops, the other takes over."""
+the scheduling one stops, the other takes over. A replica killed and started again on
+its data directory takes its lease back at once (see [Note: a replica restarted after
+a crash] in api/lease.py)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ import httpx
 from sqlalchemy import create_engine, select
 
 from api.db import JobEvent
+from api.lease import HOLDER_FILE, claim_holder
 from tests.api.test_routes import TINY
 from tests.waiting import wait_for
 from zeroservice.launch import free_port
@@ -20,7 +24,7 @@ from zeroservice.launch import free_port
 ADMIN = "zs_replica-test-admin-token-0123456789"
 
 
-def _start(database_url: str, data_dir, port: int) -> subprocess.Popen:
+def _start(database_url: str, data_dir, port: int, lease_s: float = 2.0) -> subprocess.Popen:
     env = dict(
         os.environ,
         ZEROSERVICE_HOME=str(data_dir),
@@ -28,7 +32,7 @@ def _start(database_url: str, data_dir, port: int) -> subprocess.Popen:
         ZEROSERVICE_PORT=str(port),
         ZEROSERVICE_ADMIN_TOKEN=ADMIN,
         ZEROSERVICE_SCHEDULER_INTERVAL_S="0.2",
-        ZEROSERVICE_SCHEDULER_LEASE_S="2",
+        ZEROSERVICE_SCHEDULER_LEASE_S=str(lease_s),
     )
     proc = subprocess.Popen([sys.executable, "-m", "tests.api.replica"], env=env)
     wait_for(lambda: _ready(port), 60, f"the replica on port {port}")
@@ -92,3 +96,43 @@ def test_two_replicas_schedule_one_at_a_time(database_url, tmp_path):
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(30)
+
+
+def test_a_replica_killed_and_started_again_schedules_at_once(database_url, tmp_path):
+    """SIGKILLed, the scheduling replica cannot release the lease. Started again on its
+    data directory it schedules within seconds, not after the lease's 60 s; a replica
+    on another directory, started meanwhile, waits for the lease as before."""
+    home, ports = tmp_path / "a", [free_port(), free_port(), free_port()]
+    procs = [_start(database_url, home, ports[0], lease_s=60)]
+    try:
+        wait_for(lambda: _ready(ports[0])["scheduler"] == "leader", 30, "a leader")
+        procs[0].kill()
+        procs[0].wait(30)
+        procs.append(_start(database_url, tmp_path / "b", ports[1], lease_s=60))
+        procs.append(_start(database_url, home, ports[2], lease_s=60))
+        wait_for(lambda: _ready(ports[2])["scheduler"] == "leader", 10, "the lease taken back")
+        assert _ready(ports[1])["scheduler"] == "standby"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+
+
+def test_a_holder_name_is_taken_over_only_from_a_process_that_is_gone(tmp_path):
+    """The name of a data directory's replica passes to the next process only once no
+    live one holds its lock, and never from a file that names another host."""
+    first, lock = claim_holder(tmp_path)
+    assert lock is not None and first.split(":")[0] == socket.gethostname()[:80]
+    second, none = claim_holder(tmp_path)  # the first still runs: a name of its own
+    assert none is None and second != first
+    lock.close()  # as the kernel does when the first process exits
+    third, lock = claim_holder(tmp_path)
+    assert third == first and lock is not None
+    lock.close()
+    (tmp_path / HOLDER_FILE).write_text("elsewhere:1:0123abcd")  # a shared directory
+    fourth, lock = claim_holder(tmp_path)
+    assert fourth != "elsewhere:1:0123abcd" and (tmp_path / HOLDER_FILE).read_text() == fourth
+    assert lock is not None
+    lock.close()
+    assert claim_holder(tmp_path / "missing")[1] is None  # no directory: a name of its own
