@@ -86,6 +86,21 @@ def test_pods_run_non_root_on_read_only_root_filesystems():
             assert sc["capabilities"]["drop"] == ["ALL"]
 
 
+def test_the_api_keeps_its_home_across_a_restart_of_its_container():
+    """The data directory the image names holds the scheduler lease's holder name (see
+    [Note: a replica restarted after a crash] in api/lease.py): on the read-only root
+    filesystem it could not be written, and in the container's own layer it would be
+    lost at a restart."""
+    home = re.search(r"ZEROSERVICE_HOME=(\S+)", (DEPLOY / "Dockerfile").read_text())
+    assert home is not None
+    (spec,) = [s for s in _pod_specs(_k8s()) if s["containers"][0]["name"] == "api"]
+    (container,) = spec["containers"]
+    mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert home.group(1) in mounted, f"{home.group(1)} is not on a volume: {mounted}"
+    volume = next(v for v in spec["volumes"] if v["name"] == mounted[home.group(1)])
+    assert "emptyDir" in volume  # kept while the pod lives, whatever its container does
+
+
 def test_kuberay_secrets_come_from_the_secret_and_ray_auth_is_on():
     docs = _k8s()
     secret = next(d for d in docs if d["kind"] == "Secret")
