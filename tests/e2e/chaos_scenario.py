@@ -193,6 +193,8 @@ def _run(sim: Any, disk: Path, mounted: bool, seed: int, faults: int) -> dict[st
             del h  # a crashed process's files close, the lock on its lease's name with them
             gc.collect()
             h = Harness(store, workdir / "data", backend=RayBackend(), **settings)
+            h.tick()
+            fault["scheduling_at_once"] = h.service.scheduler.leader
         elif kind == "disk_full":
             ballast = _fill(disk)
             failed = sum(e["reason"] == "save_failed" for e in events())

@@ -2,7 +2,8 @@
 plane (tests/e2e/chaos_scenario.py, in a process of its own): rank SIGKILL and SIGSTOP,
 a node removed and added back, the supervisor killed, the API service restarted, and
 a full disk during a save (where the test may mount a small tmpfs). The job succeeds,
-its history has every step exactly once, and every checkpoint left verifies."""
+its history has every step exactly once, every checkpoint left verifies, and each
+restarted API schedules from its first tick."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def test_twenty_one_faults_and_the_job_succeeds_with_every_step_once():
     if result["mounted"]:
         expected.add("disk_full")
     assert set(kinds) == expected, kinds
+    # A restarted API took its scheduler lease back at once (api/lease.py).
+    assert all(f["scheduling_at_once"] for f in result["faults"] if f["kind"] == "api")
     job = result["job"]
     assert job["status"] == "succeeded", job
     assert result["history"] == list(range(1, result["steps"] + 1))  # none missing, none twice
