@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,7 +56,7 @@ def start_ray_head(
     from workers.cluster import loopback_env
 
     env = _clean_env(loopback_env(settings.data_dir / "ray-home"))
-    tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"  # short: Ray's socket paths
+    tmp = _ray_temp(settings)
     tmp.mkdir(parents=True, exist_ok=True)
     from zeroservice.launch import free_port  # loaded here: the CLI's client needs no torch
 
@@ -106,17 +107,43 @@ def terminate(pids: list[int], grace_s: float = 1.0) -> None:
 
 def stop_ray_head(settings: Settings, address: str) -> None:
     """Stop this stack's Ray (its own processes only: never a machine-wide ``ray stop``)."""
-    tmp = Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"
-    terminate(processes_with(str(tmp).encode(), address.encode()))
+    terminate(processes_with(str(_ray_temp(settings)).encode(), address.encode()))
+
+
+def ray_head_running(settings: Settings, address: str) -> bool:
+    """Whether this stack's Ray head still runs at ``address``: its processes (found by
+    the stack's temporary directory) are there and its port takes connections."""
+    if not processes_with(str(_ray_temp(settings)).encode()):
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _ray_temp(settings: Settings) -> Path:
+    """The stack's Ray temporary directory: short (Ray's socket paths), one per API port."""
+    return Path("/tmp") / f"zs-{os.getuid()}-{settings.port}"
 
 
 def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 120) -> dict:
-    """Start Ray and the API in the background; returns the stack record."""
+    """Start Ray and the API in the background; returns the stack record (``ray_kept``:
+    whether the Ray head was already running).
+
+    After the API alone stopped (killed, crashed), the stack's Ray head runs on with the
+    jobs' supervisors and ranks: the API is started again on it and reattaches to them.
+    A second head would leave them training unseen beside the copies a new API would
+    start from their checkpoints, into the same directories."""
     existing = read_stack(settings)
     if existing is not None and _alive(existing.get("api_pid")):
         return existing
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    address, _ = start_ray_head(settings, num_cpus, num_gpus)
+    address = existing.get("ray_address") if existing is not None else None
+    kept = address is not None and ray_head_running(settings, address)
+    if not kept:
+        address, _ = start_ray_head(settings, num_cpus, num_gpus)
     log = open(settings.data_dir / "api.log", "ab")  # noqa: SIM115 - handed to the child
     env = _clean_env(
         {},
@@ -140,6 +167,7 @@ def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 1
     record = {
         "url": url,
         "ray_address": address,
+        "ray_kept": kept,
         "api_pid": proc.pid,
         "token_file": str(settings.data_dir / TOKEN_FILE),
         "log": str(settings.data_dir / "api.log"),

@@ -40,7 +40,8 @@ def _up(args: argparse.Namespace) -> int:
         return _fail(exc)
     print(f"zeroservice is up at {record['url']}")
     print(f"  admin token: {record['token_file']} (mode 600; export ZEROSERVICE_TOKEN=$(cat ...))")
-    print(f"  Ray: {record['ray_address']}   log: {record['log']}")
+    kept = " (already running: its jobs go on)" if record.get("ray_kept") else ""
+    print(f"  Ray: {record['ray_address']}{kept}   log: {record['log']}")
     print(f"  Prometheus service discovery: {record['url']}/v1/targets (bearer token)")
     return 0
 
