@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,3 +55,20 @@ def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("zeroservice: ") and "manifest.json: missing" in err
     assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "x"), "--format", "pt"]) == 1
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly():
+    """`zeroservice plan --paper | head -1`: the pipe closed, the command ends with the
+    status of a process ended by SIGPIPE and no traceback."""
+    read, write = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zscli.cli", "plan", "--params", "1e9", "--paper"],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).parents[1],
+    )
+    os.close(write)
+    os.close(read)  # before the command has imported anything, let alone printed
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGPIPE, err.decode()
+    assert err == b""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -102,7 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name, 1) < 1:
             print(f"zeroservice: --{name} must be >= 1", file=sys.stderr)
             return 2
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`zeroservice list | head -1`): the rest of the output has
+        # nowhere to go, so it ends quietly, with the status of a process ended by
+        # SIGPIPE. Output still buffered goes to /dev/null, or its flush at exit would
+        # raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
