@@ -72,3 +72,16 @@ def test_output_to_a_reader_that_went_away_ends_quietly():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGPIPE, err.decode()
     assert err == b""
+
+
+def test_a_broken_pipe_that_is_not_standard_output_is_an_error(monkeypatch):
+    """Only a reader of the output gone away ends quietly; a broken pipe elsewhere (a
+    socket, a FIFO being written) is raised as it was."""
+    from zscli import plan_cli
+
+    def broken(args):
+        raise BrokenPipeError("a socket's peer went away")
+
+    monkeypatch.setattr(plan_cli, "run_plan", broken)
+    with pytest.raises(BrokenPipeError, match="socket"):
+        main(["plan", "--params", "1e9", "--paper"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import sys
 from pathlib import Path
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except BrokenPipeError:
+        if not _reader_gone():
+            raise  # another pipe or socket: an error to show
         # The reader went away (`zeroservice list | head -1`): the rest of the output has
         # nowhere to go, so it ends quietly, with the status of a process ended by
         # SIGPIPE. Output still buffered goes to /dev/null, or its flush at exit would
@@ -114,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+
+
+def _reader_gone() -> bool:
+    """Whether standard output is a pipe that nobody reads any more (poll says POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (AttributeError, OSError, ValueError):  # not a file descriptor (captured)
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 if __name__ == "__main__":
