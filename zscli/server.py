@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -130,15 +131,25 @@ def _ray_temp(settings: Settings) -> Path:
 
 def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 120) -> dict:
     """Start Ray and the API in the background; returns the stack record (``ray_kept``:
-    whether the Ray head was already running).
+    the Ray head was already running; ``ray_restarted``: it had stopped under a running
+    API and was started again).
 
     After the API alone stopped (killed, crashed), the stack's Ray head runs on with the
     jobs' supervisors and ranks: the API is started again on it and reattaches to them.
     A second head would leave them training unseen beside the copies a new API would
-    start from their checkpoints, into the same directories."""
+    start from their checkpoints, into the same directories. After the head alone
+    stopped, it is started again on its address, where the API rejoins it by itself."""
     existing = read_stack(settings)
     if existing is not None and _alive(existing.get("api_pid")):
-        return existing
+        address = existing["ray_address"]
+        if ray_head_running(settings, address):
+            return existing
+        stop_ray_head(settings, address)  # what is left of it
+        start_ray_head(settings, num_cpus, num_gpus, port=int(address.rpartition(":")[2]))
+        record = {**existing, "ray_restarted": True}
+        return _ready(
+            record, lambda: None if _alive(record["api_pid"]) else "status unknown", wait_s
+        )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     address = existing.get("ray_address") if existing is not None else None
     kept = address is not None and ray_head_running(settings, address)
@@ -174,12 +185,19 @@ def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 1
         "data_dir": str(settings.data_dir),
     }
     stack_path(settings).write_text(json.dumps(record, indent=2))
+    return _ready(record, proc.poll, wait_s)
+
+
+def _ready(record: dict, exited: Callable[[], object], wait_s: float) -> dict:
+    """``record`` once its API answers ``/readyz`` with 200; RuntimeError if the API
+    exits first (``exited()`` gives its status, None while it runs) or after ``wait_s``."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the API exited ({proc.returncode}); see {record['log']}")
+        status = exited()
+        if status is not None:
+            raise RuntimeError(f"the API exited ({status}); see {record['log']}")
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+            if httpx.get(f"{record['url']}/readyz", timeout=2).status_code == 200:
                 return record
         except httpx.HTTPError:
             pass

@@ -40,8 +40,12 @@ def _up(args: argparse.Namespace) -> int:
         return _fail(exc)
     print(f"zeroservice is up at {record['url']}")
     print(f"  admin token: {record['token_file']} (mode 600; export ZEROSERVICE_TOKEN=$(cat ...))")
-    kept = " (already running: its jobs go on)" if record.get("ray_kept") else ""
-    print(f"  Ray: {record['ray_address']}{kept}   log: {record['log']}")
+    note = ""
+    if record.get("ray_kept"):
+        note = " (already running: its jobs go on)"
+    elif record.get("ray_restarted"):
+        note = " (had stopped: started again, the API rejoined it)"
+    print(f"  Ray: {record['ray_address']}{note}   log: {record['log']}")
     print(f"  Prometheus service discovery: {record['url']}/v1/targets (bearer token)")
     return 0
 

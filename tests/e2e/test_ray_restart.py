@@ -1,6 +1,6 @@
-"""The Ray head of the local stack stops and starts again: meanwhile the routes that
-need the cluster answer 503 with Retry-After (the store's routes still answer), and
-the API rejoins the new head by itself."""
+"""The Ray head of the local stack stops and `zeroservice up` starts it again:
+meanwhile the routes that need the cluster answer 503 with Retry-After (the store's
+routes still answer), and the API rejoins the new head by itself."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 
 from api.settings import Settings
 from tests.waiting import wait_for
-from zscli.server import start_ray_head, stop_ray_head
+from zscli.server import stop_ray_head
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_api_answers_503_while_ray_is_down_and_rejoins_it(stack):
-    _, env, tmp = stack
+    cli, env, tmp = stack
     home = tmp / "home"
     record = json.loads((home / "stack.json").read_text())
     http = httpx.Client(base_url=record["url"], timeout=60)
@@ -33,8 +33,9 @@ def test_the_api_answers_503_while_ray_is_down_and_rejoins_it(stack):
     assert http.get("/readyz").status_code == 503
     assert http.get("/v1/jobs", headers=auth).status_code == 200  # the store still answers
 
-    port = int(record["ray_address"].rpartition(":")[2])
-    start_ray_head(settings, 2, port=port)
+    again = cli("up", "--cpus", "2")  # the API runs: only the head starts, on its address
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"Ray: {record['ray_address']} (had stopped: started again" in again.stdout
     back = wait_for(
         lambda: _answer(http, "/v1/cluster", auth),
         120,
