@@ -116,12 +116,16 @@ def ray_head_running(settings: Settings, address: str) -> bool:
     the stack's temporary directory) are there and its port takes connections."""
     if not processes_with(str(_ray_temp(settings)).encode()):
         return False
-    host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
+        socket.create_connection((address.rpartition(":")[0], _port(address)), timeout=2).close()
     except (OSError, ValueError):
         return False
     return True
+
+
+def _port(address: str) -> int:
+    """The port of a ``host:port`` address."""
+    return int(address.rpartition(":")[2])
 
 
 def _ray_temp(settings: Settings) -> Path:
@@ -145,7 +149,7 @@ def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 1
         if ray_head_running(settings, address):
             return existing
         stop_ray_head(settings, address)  # what is left of it
-        start_ray_head(settings, num_cpus, num_gpus, port=int(address.rpartition(":")[2]))
+        start_ray_head(settings, num_cpus, num_gpus, port=_port(address))
         record = {**existing, "ray_restarted": True}
         return _ready(
             record, lambda: None if _alive(record["api_pid"]) else "status unknown", wait_s
@@ -178,14 +182,13 @@ def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 1
     record = {
         "url": url,
         "ray_address": address,
-        "ray_kept": kept,
         "api_pid": proc.pid,
         "token_file": str(settings.data_dir / TOKEN_FILE),
         "log": str(settings.data_dir / "api.log"),
         "data_dir": str(settings.data_dir),
     }
     stack_path(settings).write_text(json.dumps(record, indent=2))
-    return _ready(record, proc.poll, wait_s)
+    return _ready({**record, "ray_kept": kept}, proc.poll, wait_s)  # this call's, not stored
 
 
 def _ready(record: dict, exited: Callable[[], object], wait_s: float) -> dict:
