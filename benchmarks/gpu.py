@@ -14,11 +14,14 @@ that each one's CUDA allocator starts empty.
   not counted, against the chip's dense bf16 peak) of a 1.3 B GPT at sequence 2048,
   with and without activation checkpointing, beside plain PyTorch (fp32 weights under
   bf16 autocast and a fused AdamW: the usual mixed-precision recipe) on the same model.
+* ``host``: where a step's time goes at each stage on the MFU GPT (N_d = 1): its
+  phases, the GPU's busy time under the profiler, and the host's collectives, device
+  copies and kernel launches per step.
 * ``offload``: GPTs of growing depth at dim 4096 with ``offload_optimizer`` (the depths
   given, until one fails): three steps each, the last one's time and the share of it
   spent in the host optimizer step.
 
-    python -m benchmarks.gpu memory mfu offload --out benchmarks/results
+    python -m benchmarks.gpu memory mfu host offload --out benchmarks/results
 
 Prints each table and writes one JSON per part.
 """
@@ -442,7 +445,89 @@ def offload(args) -> dict:
     return {"rows": rows, "largest_params": max((r["params"] for r in ok), default=0)}
 
 
-PARTS = {"memory": memory, "mfu": mfu, "offload": offload}
+# -- host ----------------------------------------------------------------------------
+
+
+def host_trial(stage: int, checkpointing: bool, micro: int, steps: int) -> dict:
+    """One stage's step on the MFU GPT: its phases (each ended by a synchronisation), the
+    step as trained (no synchronisation inside), and under the profiler the GPU's busy
+    time and the host's calls per step. A step longer than the GPU's busy time waits on
+    the host issuing work."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = GPTConfig(**MFU_GPT)  # type: ignore[arg-type]
+    x, y = _batch(cfg, 0, micro)
+    engine = _engine(
+        cfg, {"stage": stage, "precision": "bf16", "activation_checkpointing": checkpointing}
+    )
+
+    def step():
+        engine.backward(engine(x, y))
+        engine.step()
+
+    phases = []
+    for i in range(3 + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        if i >= 3:
+            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    seconds = _timed(step, 1, steps)
+    profiled = 2
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+
+    def calls(*names: str) -> float:
+        return sum(e.count for e in events if any(n in e.key for n in names)) / profiled
+
+    # The kernels' own rows (an operator's row repeats the time of the kernels it ran).
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    engine.close()
+    return {
+        "stage": stage,
+        "checkpointing": checkpointing,
+        "forward_s": sum(p[0] for p in phases) / steps,
+        "backward_s": sum(p[1] for p in phases) / steps,
+        "optimizer_s": sum(p[2] for p in phases) / steps,
+        "step_s": seconds,
+        "gpu_busy_s": gpu_us / 1e6 / profiled,
+        "collectives": calls("record_param_comms"),
+        "device_copies": calls("Memcpy DtoD"),
+        "kernel_launches": calls("cudaLaunchKernel", "cuLaunchKernelEx"),
+    }
+
+
+def host(args) -> dict:
+    rows = []
+    for checkpointing in (False, True):
+        for stage in args.stages:
+            r = run_local(
+                host_trial, 1, stage, checkpointing, args.micro, args.steps, backend="nccl"
+            )[0]
+            rows.append(r)
+            print(
+                f"stage {stage} ckpt {checkpointing!s:5} | forward {r['forward_s'] * 1e3:6.1f} "
+                f"backward {r['backward_s'] * 1e3:6.1f} optimizer {r['optimizer_s'] * 1e3:5.1f} "
+                f"ms | step {r['step_s'] * 1e3:6.1f} ms, GPU busy {r['gpu_busy_s'] * 1e3:6.1f} "
+                f"ms | per step: {r['collectives']:5.0f} collectives, {r['device_copies']:5.0f} "
+                f"device copies, {r['kernel_launches']:5.0f} kernel launches",
+                flush=True,
+            )
+    return {"model": MFU_GPT, "micro_batch": args.micro, "rows": rows}
+
+
+PARTS = {"memory": memory, "mfu": mfu, "offload": offload, "host": host}
 
 
 def main(argv: list[str] | None = None) -> int:
