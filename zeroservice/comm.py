@@ -30,6 +30,16 @@ x 2 ranks an all-gather over all four receives S/4 within the node and S/2 acros
 over the two ranks of one node, S/2 within and nothing across. With many nodes the
 cross-node share of a collective over all ranks tends to its whole payload, the
 accounting of the ZeRO++ paper.
+
+[Note: a group of one]
+On a group of one rank every collective the engine issues leaves its tensors as they
+are: a sum over one rank is the tensor, a reduce-scatter's or an all-gather's one chunk
+is the whole buffer, a broadcast's source is this rank. So nothing is issued there
+(``impl="local"`` in the ledger, with no bytes over any link). A job of one rank, or one
+shrunk to one by a lost peer, would otherwise pay the backend's per-call cost for every
+unit and bucket: on an H100, stage 3 of a 1.3 B GPT at N_d = 1 made 1,046 such calls a
+step, and its step waited on the host while the GPU did stage 0's work
+(docs/benchmarks.md). An all-to-all copies its one row.
 """
 
 from __future__ import annotations
@@ -90,8 +100,8 @@ class CollectiveStats:
     tag: str
     world_size: int
     impl: str
-    """How it ran: "native" (the backend's own op), "ring" (point-to-point ring) or
-    "shm" (through shared memory)."""
+    """How it ran: "native" (the backend's own op), "ring" (point-to-point ring),
+    "shm" (through shared memory) or "local" (a group of one: nothing issued)."""
     calls: int = 0
     payload_bytes: int = 0
     payload_elements: int = 0
@@ -228,6 +238,21 @@ class Pending:
         self._after.clear()
 
 
+_SAME_ALONE = (
+    dist.ReduceOp.SUM,
+    dist.ReduceOp.AVG,
+    dist.ReduceOp.MAX,
+    dist.ReduceOp.MIN,
+    dist.ReduceOp.PRODUCT,
+)
+"""The reductions whose result over one rank is its tensor (a pre-multiplied sum is not)."""
+
+
+def _complete() -> float:
+    """The wait of an op that was complete when issued: it took no time on any link."""
+    return 0.0
+
+
 def wait_all(pending: list[Pending]) -> None:
     for p in pending:
         p.wait()
@@ -305,6 +330,13 @@ class Communicator:
         interrupt = self.interrupt
         return future.result if interrupt is None else lambda: interrupt.result(future)
 
+    def _local(self, op: str, tag: str, payload: torch.Tensor) -> Pending | None:
+        """A group of one: the op's handle, already complete (None: a real group).
+        See [Note: a group of one]."""
+        if self.world != 1:
+            return None
+        return self._pending(_complete, op, tag, payload, "local")
+
     def _pending(self, wait, op, tag, payload, impl="native", peer=None) -> Pending:
         self.ledger.launched += 1
         self.ledger.last_launched = f"{op}/{tag}"
@@ -313,6 +345,8 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op=dist.ReduceOp.SUM) -> Pending:
         """Sum (or ``op``) ``tensor`` in place across the group."""
+        if op in _SAME_ALONE and (local := self._local("all_reduce", tag, tensor)) is not None:
+            return local
         if (
             self.shm is not None
             and op == dist.ReduceOp.SUM
@@ -327,6 +361,8 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, tag: str, src_group_rank: int = 0) -> Pending:
         """Copy ``tensor`` from the group's rank ``src_group_rank`` to every rank."""
+        if (local := self._local("broadcast", tag, tensor)) is not None:
+            return local
         g = self.group
         src = src_group_rank if g is None else dist.get_global_rank(g, src_group_rank)
         work = dist.broadcast(tensor, src=src, group=g, async_op=True)
@@ -354,6 +390,8 @@ class Communicator:
 
     def reduce_scatter(self, buffer: torch.Tensor, tag: str) -> Pending:
         """Sum ``buffer`` across ranks into this rank's chunk (other chunks: scratch)."""
+        if (local := self._local("reduce_scatter", tag, buffer)) is not None:
+            return local
         if self.shm is not None:
             future = self.shm.reduce_scatter(buffer)
             return self._pending(self._job(future), "reduce_scatter", tag, buffer, "shm")
@@ -377,6 +415,8 @@ class Communicator:
 
     def all_gather(self, buffer: torch.Tensor, tag: str) -> Pending:
         """Fill every chunk of ``buffer`` from its owner; this rank's chunk is the input."""
+        if (local := self._local("all_gather", tag, buffer)) is not None:
+            return local
         if self.shm is not None:
             future = self.shm.all_gather(buffer)
             return self._pending(self._job(future), "all_gather", tag, buffer, "shm")
@@ -389,6 +429,9 @@ class Communicator:
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, tag: str) -> Pending:
         """Row j of ``send`` (N equal rows) goes to group rank j; row i of ``recv`` comes
         from group rank i. The ledger counts ``send``'s bytes as the payload."""
+        if (local := self._local("all_to_all", tag, send)) is not None:
+            recv.copy_(send)
+            return local
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         return self._pending(self._native(work), "all_to_all", tag, send)
 
