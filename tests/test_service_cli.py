@@ -11,7 +11,7 @@ from typing import Any
 from tests.api.fakes import point
 from zscli import service_cli
 from zscli.cli import main
-from zscli.report import compare, history_pages, render
+from zscli.report import compare, history_pages, render, volume_note
 
 
 class ScriptedClient:
@@ -178,6 +178,17 @@ def test_report_pages_through_the_history_and_writes_charts_and_a_page(tmp_path)
     page = (tmp_path / "index.html").read_text()
     assert all(f'src="{n}"' in page for n in names[:-1])
     assert "run-a (a)" in page and "5.9500 at the start, 4.7500 at the end" in page
+
+
+def test_the_bandwidth_note_holds_a_step_against_the_paper_except_for_one_rank():
+    ledger = {"stage": 3, "n_d": 2, "psi_padded": 1000}
+    note = volume_note({"ledger": ledger, "comm_volume_per_step": 3000})
+    assert "paper 3Ψ (stage 3), measured 3,000 elements = 3.00Ψ (Ψ = 1,000)" in note
+    alone = volume_note({"ledger": {**ledger, "n_d": 1}, "comm_volume_per_step": 3900})
+    assert "one rank (N_d = 1): no collective is issued" in alone and "paper" not in alone
+    # One data-parallel rank of a model-parallel pair still talks to its MP peer.
+    pair = volume_note({"ledger": {**ledger, "n_d": 1, "mp": 2}, "comm_volume_per_step": 3900})
+    assert "no collective" not in pair and "paper 3Ψ" in pair
 
 
 def test_compare_draws_two_jobs_on_one_chart(tmp_path, monkeypatch, capsys):

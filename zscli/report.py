@@ -297,6 +297,24 @@ def _memory(job: dict[str, Any], metrics: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def volume_note(rank: dict[str, Any]) -> str:
+    """What a rank's collectives moved per step beside the paper's volume; a job of one
+    rank (one data-parallel rank, no model parallelism) sends nothing (its collectives
+    are local: see [Note: a group of one] in zeroservice/comm.py), so its payloads are
+    not held against the paper's."""
+    ledger = rank.get("ledger") or {}
+    stage, psi = int(ledger.get("stage", -1)), ledger.get("psi_padded") or 0
+    note = "training steps only (start-up broadcast and checkpoint gathers left out)"
+    if ledger.get("n_d") == 1 and ledger.get("mp", 1) == 1:
+        return note + "\none rank (N_d = 1): no collective is issued, nothing is sent"
+    if stage in VOLUME:
+        note += f"\ngrads + params per step and rank: paper {VOLUME[stage]} (stage {stage})"
+        volume = rank.get("comm_volume_per_step")
+        if volume and psi:
+            note += f", measured {volume:,} elements = {volume / psi:.2f}Ψ (Ψ = {psi:,})"
+    return note
+
+
 def _bandwidth(job: dict[str, Any], metrics: dict[str, Any], path: Path) -> Path:
     plt = _plt()
     ranks = metrics["ranks"]
@@ -323,14 +341,7 @@ def _bandwidth(job: dict[str, Any], metrics: dict[str, Any], path: Path) -> Path
     ax.set(ylabel="bus bandwidth, GB/s", title="Collectives per step-phase (op/tag)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    ledger = ranks[order[0]].get("ledger") or {}
-    stage, psi = int(ledger.get("stage", -1)), ledger.get("psi_padded") or 0
-    note = "training steps only (start-up broadcast and checkpoint gathers left out)"
-    if stage in VOLUME:
-        note += f"\ngrads + params per step and rank: paper {VOLUME[stage]} (stage {stage})"
-        volume = ranks[order[0]].get("comm_volume_per_step")
-        if volume and psi:
-            note += f", measured {volume:,} elements = {volume / psi:.2f}Ψ (Ψ = {psi:,})"
+    note = volume_note(ranks[order[0]])
     ax.text(0.0, -0.22, note, transform=ax.transAxes, fontsize=8, color="dimgrey", va="top")
     fig.suptitle(f"{label(job)}: bus bandwidth (nccl-tests definition)", fontsize=11)
     return _save(fig, path)
