@@ -11,17 +11,13 @@ import torch.distributed as dist
 
 from tests.engine.harness import assert_matches_ddp, combine_ranks
 from tests.engine.scenarios import TINY, Spec, ledgers, parity
+from tests.engine.test_parity import CASES, STAGES
 from zeroservice import comm
 from zeroservice.launch import run_local
 
-CASES = {
-    "plain": {},
-    "accum4": {"accum": 4},
-    "clip": {"clip": 0.05},
-}
-STAGE3_CASES = {"tight-prefetch": {"prefetch": 20_000}, "persistent-units": {"persistence": 2**16}}
-SPECS = {(s, c): Spec(stage=s, **kw) for c, kw in CASES.items() for s in (0, 1, 2, 3)}
-SPECS |= {(3, c): Spec(stage=3, **kw) for c, kw in STAGE3_CASES.items()}
+# Cases of the parity suite (test_parity.py), at every stage or at stage 3 alone.
+SPECS = {(s, c): Spec(stage=s, **CASES[c]) for c in ("plain", "accum4", "clip") for s in STAGES}
+SPECS |= {(3, c): Spec(stage=3, **CASES[c]) for c in ("tight-prefetch", "persistent-units")}
 
 
 def _collectives_refused(monkeypatch) -> None:
@@ -96,7 +92,7 @@ def test_one_rank_trains_as_ddp(stage, case):
     assert_matches_ddp(r)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 def test_one_rank_step_is_local_and_counted(stage):
     """Every entry of a step is local, and the ledger still counts its payloads: the
     gradients' Ψ, and at stage 3 the gathers' 2Ψ less the position embedding, which
