@@ -25,6 +25,7 @@ from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_m
 from .buffers import BufferCache
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
+from .forward_writes import ForwardWrites, watch_reason
 from .gather import ParamGatherer
 from .gather_check import GatherCheck
 from .host_memory import HostTrim
@@ -281,6 +282,16 @@ class Engine:
             offload=config.offload_optimizer,
             template=template,
         )
+        reason = watch_reason(
+            config.stage, self.policy.shard_world, config.precision, config.offload_optimizer
+        )
+        self._forward_writes = (
+            ForwardWrites(module, {id(p): n for n, p in trainable_parameters(module)}, reason)
+            if reason is not None
+            else None
+        )
+        """Trainable parameters a forward changes in place, refused before its backward
+        (see [Note: a forward that writes its weights] in forward_writes.py)."""
         self.activations: CheckpointStore | None = None
         self._checkpointer: ActivationCheckpointer | None = None
         if config.activation_checkpointing:
@@ -330,10 +341,20 @@ class Engine:
             self.host_trim()  # what the last step freed: see [Note: host heap trimming]
         if self.config.broadcast_buffers:
             self._broadcast_buffers()
+        if self._forward_writes is not None and torch.is_grad_enabled():
+            self._forward_writes.forward_begins()
         if self.gatherer is not None and torch.is_grad_enabled():
             g = self.gatherer
             with torch.autograd.graph.saved_tensors_hooks(g.saved.pack, g.saved.unpack):
-                return self.module(*args, **kwargs)
+                try:
+                    return self.module(*args, **kwargs)
+                except RuntimeError as exc:
+                    # An in-place write to a gathered weight may fail in autograd before
+                    # the gatherer's own check says what happened: say it instead.
+                    found = g.take_in_place_write()
+                    if found is not None:
+                        raise RuntimeError(found) from exc
+                    raise
         return self.module(*args, **kwargs)
 
     def _require_state(self, what: str) -> None:
@@ -384,6 +405,8 @@ class Engine:
                 f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}); "
                 "call engine.step() after every backward"
             )
+        if self._forward_writes is not None:
+            self._forward_writes.check_before_backward()
         reduces = self.policy.reduce_every_micro_batch or self.is_gradient_accumulation_boundary()
         left = self.state.move(TrainingState.REDUCING if reduces else TrainingState.BACKWARD)
         try:

@@ -108,6 +108,8 @@ class ParamGatherer:
         """Called once a unit's backward is done and its reduction launched (the engine
         hands freed heap pages back there: see [Note: host heap trimming])."""
         self.check = check
+        self._in_place_write: str | None = None
+        """What ``_check_unmodified`` last found (see ``take_in_place_write``)."""
         """Debug consensus on every gather (see gather_check.py), or None."""
         self.prefetch_elements = prefetch_elements
         self.dtype = units[0].flat.dtype
@@ -429,11 +431,19 @@ class ParamGatherer:
     def _check_unmodified(self, index: int, live: _Live) -> None:
         if live.pending is None and live.buffer._version != live.version:
             names = ", ".join(s.names[0] for s in self.units[index].slots)
-            raise RuntimeError(
+            self._in_place_write = (
                 f"stage 3: a parameter among [{names}] was modified in place while gathered; "
                 "the change would be lost, since only shards persist. Change parameters "
                 "through the optimizer, or outside training with stage 0-2"
             )
+            raise RuntimeError(self._in_place_write)
+
+    def take_in_place_write(self) -> str | None:
+        """The last in-place write to a gathered unit found, once: when the write made
+        autograd fail first, torch silences the release hook's error, and the engine
+        raises this instead."""
+        found, self._in_place_write = self._in_place_write, None
+        return found
 
     def _release_all(self) -> None:
         for index in list(self._live):
