@@ -407,6 +407,7 @@ class Engine:
             )
         if self._forward_writes is not None:
             self._forward_writes.check_before_backward()
+        self._take_stray_gradients("backward")
         reduces = self.policy.reduce_every_micro_batch or self.is_gradient_accumulation_boundary()
         left = self.state.move(TrainingState.REDUCING if reduces else TrainingState.BACKWARD)
         try:
@@ -445,6 +446,7 @@ class Engine:
         """Call after every backward; updates the weights after the step's last micro-batch."""
         if self.state.value is not TrainingState.ACCUMULATED:
             raise RuntimeError("step: no backward since the last step; call engine.backward first")
+        self._take_stray_gradients("step")
         factor = lr_factor(self.config.lr_schedule, self.applied_steps)
         if self.micro_steps < self.config.gradient_accumulation_steps:
             return StepReport(False, None, False, factor, self.loss_scale)
@@ -472,6 +474,34 @@ class Engine:
             not result.skipped, result.grad_norm, result.skipped, factor, scale
         )
         return self.last_report
+
+    def _take_stray_gradients(self, where: str) -> None:
+        """[Note: gradients from another backward]
+        A backward that is not this engine's can reach its parameters: a GAN's generator
+        loss goes through the discriminator, whose engine is between its steps. Under DDP
+        the discriminator's ``zero_grad()`` before its next backward drops them; here,
+        between steps, they are dropped the same way (stage 2 at once, stages 0/1 by
+        zeroing their gradient buffers before the next backward). Inside a step (after
+        a backward, before ``step``) they would mix, unreduced, with the step's reduced
+        gradients, where DDP would have reduced and added them: the step is refused and
+        its gradients discarded. Stage 3 gathers weights only for its own backward and
+        refuses such a backward when it happens (``ParamGatherer.post_backward``)."""
+        between, inside = self.reducer.take_stray()
+        if inside:
+            self.reducer.zero_grads()
+            self.micro_steps = 0
+            self.state.reset_to(TrainingState.IDLE)
+            more = f" and {len(inside) - 3} more" if len(inside) > 3 else ""
+            raise RuntimeError(
+                f"{where}: a backward that was not this engine's reached "
+                f"{', '.join(inside[:3])}{more} after this step's backward (another "
+                "engine's loss through this model, or loss.backward()); its gradients "
+                "cannot be told from the step's own, so this step's gradients were "
+                "discarded. Run the other backward after this engine's step, or detach "
+                "what it passes through this model"
+            )
+        if between:
+            self.reducer.zero_grads()
 
     # -- ledgers ----------------------------------------------------------------------
     @property

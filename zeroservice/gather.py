@@ -283,9 +283,14 @@ class ParamGatherer:
         """Autograd is done with one use of a unit (its ``_GatherUnit`` node fired): stage
         its gradients; after the last use, release it and launch its reduction."""
         if not self.reducer.active:
+            names = ", ".join(s.names[0] for s in self.units[index].slots[:3])
             raise RuntimeError(
-                "stage 3: gradients reached the engine outside engine.backward(loss); "
-                "call engine.backward(loss) instead of loss.backward()"
+                f"stage 3: a backward that was not this engine's reached [{names}]: "
+                "loss.backward() instead of engine.backward(loss), or another engine's "
+                "loss through this model (a GAN's generator loss through its "
+                "discriminator). Stage 3 gathers weights only for its own backward: call "
+                "engine.backward(loss), and train a model that another engine's loss "
+                "passes through at stage 0-2, which drops such gradients between steps"
             )
         unit = self.units[index]
         if self.reducer.launched(unit):

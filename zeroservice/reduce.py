@@ -202,6 +202,9 @@ class GradReducer:
         self._next_launch = 0
         """Position in ``order`` of the next unit to launch."""
         self._inflight: deque[_InFlight] = deque()
+        self.stray: dict[str, None] = {}
+        self.stray_mid_step: dict[str, None] = {}
+        """Parameters another backward reached, in order (see ``_stray``)."""
         self._handles = (
             [
                 slot.param.register_post_accumulate_grad_hook(self._hook(u, i))
@@ -301,6 +304,9 @@ class GradReducer:
         return post_accumulate_grad
 
     def post_accumulate_grad(self, unit: FlatUnit, slot_index: int, param: torch.Tensor) -> None:
+        if not self.state.value.in_backward:
+            self._stray(unit, slot_index, param)
+            return
         if not self.active:
             return
         if self._launched[unit.index]:
@@ -322,6 +328,27 @@ class GradReducer:
                 self._complete_oldest()
         if finished and self.after_unit_backward is not None:
             self.after_unit_backward()
+
+    def _stray(self, unit: FlatUnit, slot_index: int, param: torch.Tensor) -> None:
+        """A gradient from a backward that is not this engine's (see [Note: gradients
+        from another backward] in engine.py). Stage 2 drops it at once; stages 0/1 have
+        added it to the gradient buffer ``param.grad`` views. Either way the parameter
+        is named: between steps, for the engine to zero that buffer; inside a step, for
+        it to refuse the step."""
+        if not self.policy.keep_full_grads:
+            param.grad = None
+        name = unit.slots[slot_index].names[0]
+        if self.state.value is TrainingState.ACCUMULATED:
+            self.stray_mid_step[name] = None
+        elif self.policy.keep_full_grads:
+            self.stray[name] = None
+
+    def take_stray(self) -> tuple[list[str], list[str]]:
+        """Parameters another backward reached since the last call: (between steps, at
+        stages 0/1; inside a step), both then cleared."""
+        found = (list(self.stray), list(self.stray_mid_step))
+        self.stray, self.stray_mid_step = {}, {}
+        return found
 
     def stage_grad(self, unit: FlatUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Copy one gradient into the unit's staging buffer (added if already staged).
