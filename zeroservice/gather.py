@@ -108,9 +108,9 @@ class ParamGatherer:
         """Called once a unit's backward is done and its reduction launched (the engine
         hands freed heap pages back there: see [Note: host heap trimming])."""
         self.check = check
+        """Debug consensus on every gather (see gather_check.py), or None."""
         self._in_place_write: str | None = None
         """What ``_check_unmodified`` last found (see ``take_in_place_write``)."""
-        """Debug consensus on every gather (see gather_check.py), or None."""
         self.prefetch_elements = prefetch_elements
         self.dtype = units[0].flat.dtype
         self.element_size = units[0].flat.element_size()
