@@ -39,6 +39,7 @@ from .memory import (
     tensor_bytes,
 )
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
+from .placeholder_state import guard_placeholders, reading_own_state
 from .precision import DynamicLossScaler, check_param_dtypes, param_dtype, reduce_dtype
 from .quantize import BITS
 from .reduce import GradReducer
@@ -269,6 +270,7 @@ class Engine:
                 scratch=self.quant_scratch,
                 after_unit_backward=trim,
             )
+            guard_placeholders(module, self.units)
         self.optimizer = ShardedOptimizer(
             self.trainable_units,
             self.policy,
@@ -791,7 +793,8 @@ class Engine:
 
         At stage 3 every rank must call it: units are gathered one at a time.
         """
-        state = self.module.state_dict()
+        with reading_own_state():  # placeholders read on purpose, replaced below
+            state = self.module.state_dict()
         if self.gatherer is None:
             return state
         for unit in self.units:
