@@ -81,6 +81,31 @@ def check_materialised(module: nn.Module) -> None:
         )
 
 
+def check_unwrapped(module: nn.Module) -> None:
+    """Refuse a model wrapped in another data-parallel wrapper (DDP, DataParallel,
+    FSDP or ``fully_shard``), itself or inside: its own hooks would reduce or shard the
+    gradients and weights the engine reduces and shards, and training would silently
+    not be the engine's."""
+    import sys
+
+    kinds: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # only a program that used it
+    if fsdp is not None:
+        kinds += [getattr(fsdp, n) for n in ("FullyShardedDataParallel", "FSDPModule")]
+    found = [
+        (name or "the model", type(m).__name__)
+        for name, m in module.named_modules()
+        if isinstance(m, tuple(kinds))
+    ]
+    if found:
+        where, kind = found[0]
+        raise ConfigError(
+            f"model: {where} is a {kind}, which reduces (or shards) gradients itself; pass "
+            "the bare module (for DDP and DataParallel, their .module): the engine does "
+            "the data parallelism"
+        )
+
+
 def check_no_gradient_hooks(module: nn.Module) -> None:
     """Refuse hooks on parameters at stage 3: the module computes with gathered copies,
     the parameters themselves become empty placeholders, and a hook registered on

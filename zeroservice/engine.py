@@ -98,6 +98,7 @@ class Engine:
         self.policy = policy_for(config.stage, self.dp_world)
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
+        construct.check_unwrapped(module)
         construct.check_materialised(module)
         if self.policy.partitions_params:
             construct.check_no_gradient_hooks(module)

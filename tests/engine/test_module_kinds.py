@@ -140,3 +140,39 @@ def test_activation_checkpointing_takes_the_outermost_lists_items_as_blocks():
     model.norm = parametrizations.weight_norm(nn.Linear(8, 8))
     assert [name for name, _ in checkpointed_modules(model)] == ["blocks.0", "blocks.1", "blocks.2"]
     assert checkpointed_modules(_Experts().proj) == []
+
+
+def _wrapped_refusals() -> dict[str, str]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def inner_fsdp() -> nn.Module:
+        model = _Head(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), 8)
+        fully_shard(model.body)
+        return model
+
+    wrappers = {
+        "ddp": lambda: DDP(_Head(nn.Linear(8, 8), 8)),
+        "data-parallel": lambda: nn.DataParallel(_Head(nn.Linear(8, 8), 8)),
+        "inner-ddp": lambda: _Head(DDP(nn.Linear(8, 8)), 8),
+        "inner-fsdp": inner_fsdp,
+    }
+    out = {}
+    for name, build in wrappers.items():
+        try:
+            zeroservice.initialize(build(), {"stage": 1}, lambda ps: torch.optim.SGD(ps, lr=0.1))
+            out[name] = "accepted"
+        except ConfigError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_a_model_in_another_data_parallel_wrapper_is_refused_by_name():
+    """DDP, DataParallel or FSDP around the model (or inside it) would reduce or shard
+    what the engine reduces and shards: refused before anything is built."""
+    r = run_local(_wrapped_refusals, 2)[0]
+    assert r["ddp"].startswith("model: the model is a DistributedDataParallel"), r
+    assert r["data-parallel"].startswith("model: the model is a DataParallel"), r
+    assert r["inner-ddp"].startswith("model: body is a DistributedDataParallel"), r
+    assert r["inner-fsdp"].startswith("model: body is a FSDP"), r
+    assert all("pass the bare module" in m for m in r.values()), r
