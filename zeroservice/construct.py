@@ -31,6 +31,7 @@ from torch import nn
 from . import comm
 from .config import ConfigError
 from .flat import FlatUnit, ParamSlot, frozen_key, padded_size, swap_in
+from .naming import some_names
 from .partition import NamedParams
 
 ModuleInit = Callable[[str, nn.Module], None]
@@ -73,9 +74,8 @@ def check_materialised(module: nn.Module) -> None:
     they have no shape yet, so no unit can hold them."""
     lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.UninitializedParameter)]
     if lazy:
-        more = f" and {len(lazy) - 3} more" if len(lazy) > 3 else ""
         raise ConfigError(
-            f"model: parameters {', '.join(lazy[:3])}{more} are not initialised yet (a lazy "
+            f"model: parameters {some_names(lazy)} are not initialised yet (a lazy "
             "module): run one forward with a sample batch before initialize, so they have "
             "their shapes"
         )
@@ -116,9 +116,8 @@ def check_no_gradient_hooks(module: nn.Module) -> None:
         if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
     ]
     if hooked:
-        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
         raise ConfigError(
-            f"stage: 3 partitions parameters, and {', '.join(hooked[:3])}{more} carry "
+            f"stage: 3 partitions parameters, and {some_names(hooked)} carry "
             "gradient hooks that would never run on them; change the gradient in the "
             "module's forward instead, or use stage 0, 1 or 2"
         )

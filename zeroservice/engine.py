@@ -38,6 +38,7 @@ from .memory import (
     optimizer_state_tensors,
     tensor_bytes,
 )
+from .naming import some_names
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
 from .placeholder_state import guard_placeholders, reading_own_state
 from .precision import DynamicLossScaler, check_param_dtypes, param_dtype, reduce_dtype
@@ -430,12 +431,9 @@ class Engine:
             raise
         outside = self.gatherer.take_outside_uses() if self.gatherer is not None else []
         if outside:
-            self.reducer.zero_grads()
-            self.micro_steps = 0
-            self.state.reset_to(TrainingState.IDLE)
-            more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+            self._discard_step()
             raise RuntimeError(
-                f"backward: the loss used {', '.join(outside[:3])}{more} outside the "
+                f"backward: the loss used {some_names(outside)} outside the "
                 "model's forward; "
                 "at stage 3 a weight is gathered only inside a forward and is an empty "
                 "placeholder elsewhere, so that term trained nothing. Compute it inside the "
@@ -491,13 +489,10 @@ class Engine:
         refuses such a backward when it happens (``ParamGatherer.post_backward``)."""
         between, inside = self.reducer.take_stray()
         if inside:
-            self.reducer.zero_grads()
-            self.micro_steps = 0
-            self.state.reset_to(TrainingState.IDLE)
-            more = f" and {len(inside) - 3} more" if len(inside) > 3 else ""
+            self._discard_step()
             raise RuntimeError(
                 f"{where}: a backward that was not this engine's reached "
-                f"{', '.join(inside[:3])}{more} after this step's backward (another "
+                f"{some_names(inside)} after this step's backward (another "
                 "engine's loss through this model, or loss.backward()); its gradients "
                 "cannot be told from the step's own, so this step's gradients were "
                 "discarded. Run the other backward after this engine's step, or detach "
@@ -505,6 +500,12 @@ class Engine:
             )
         if between:
             self.reducer.zero_grads()
+
+    def _discard_step(self) -> None:
+        """Drop the step's gradients so far; the engine is between steps again."""
+        self.reducer.zero_grads()
+        self.micro_steps = 0
+        self.state.reset_to(TrainingState.IDLE)
 
     # -- ledgers ----------------------------------------------------------------------
     @property

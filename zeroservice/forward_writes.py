@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .naming import some_names
+
 
 class ForwardWrites:
     """Version counters of the watched parameters, read at a forward and its backward."""
@@ -58,7 +60,7 @@ class ForwardWrites:
 
     def _message(self, changed: list[int]) -> str:
         names = [self._names[i] for i in changed]
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        shown = some_names(names, 5)
         hints = sorted({h for i in changed if (h := self._owners.get(id(self._params[i])))})
         hint = f" ({'; '.join(hints)})" if hints else ""
         return (

@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from .flat import FlatUnit
+from .naming import some_names
 
 _reading = 0
 """How many engine ``state_dict`` calls are in progress (they read placeholders on
@@ -68,7 +69,7 @@ def _refuse_placeholders_saved(
     ]
     if empty:
         raise RuntimeError(
-            f"state_dict: at stage 3 {_shown(empty)} are empty placeholders in the model "
+            f"state_dict: at stage 3 {some_names(empty)} are empty placeholders in the model "
             "(the weights live in shards across the ranks), so the model's own "
             "state_dict() would hold no weight. Call engine.state_dict() on every rank "
             "for the whole weights (before engine.close()), or engine.save_checkpoint() "
@@ -82,12 +83,8 @@ def _refuse_load(
     given = [prefix + leaf for leaf, _ in leaves if prefix + leaf in state]
     if given:
         raise RuntimeError(
-            f"load_state_dict: at stage 3 {_shown(given)} live in shards across the ranks, "
+            f"load_state_dict: at stage 3 {some_names(given)} live in shards across the ranks, "
             "which the model's own load_state_dict() cannot reach. Load a checkpoint with "
             "engine.load_checkpoint(path), or start from a state-dict file with "
             "zeroservice.initialize(..., init=path)"
         )
-
-
-def _shown(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

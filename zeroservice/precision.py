@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, LossScaleConfig
+from .naming import some_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,13 +27,12 @@ def check_param_dtypes(module: nn.Module, precision: str) -> None:
     odd = [(n, p.dtype) for n, p in module.named_parameters() if p.dtype not in allowed]
     if not odd:
         return
-    shown = ", ".join(f"{n} ({_name(d)})" for n, d in odd[:3])
-    more = f" and {len(odd) - 3} more" if len(odd) > 3 else ""
+    shown = some_names([f"{n} ({_name(d)})" for n, d in odd])
     train = _name(DTYPES[precision])
     accepted = "float32" if train == "float32" else f"float32 or {train}"
     masters = "" if train == "float32" else " with float32 masters"
     raise ConfigError(
-        f"model: parameters {shown}{more} are not {accepted}: precision {precision!r} "
+        f"model: parameters {shown} are not {accepted}: precision {precision!r} "
         f"trains every parameter in {train}{masters}; convert the model first "
         "(e.g. model.float())"
     )
