@@ -25,7 +25,7 @@ from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_m
 from .buffers import BufferCache
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
-from .forward_writes import ForwardWrites, watch_reason
+from .forward_writes import ForwardWrites, between_steps_reason, watch_reason
 from .gather import ParamGatherer
 from .gather_check import GatherCheck
 from .host_memory import HostTrim
@@ -290,7 +290,12 @@ class Engine:
             config.stage, self.policy.shard_world, config.precision, config.offload_optimizer
         )
         self._forward_writes = (
-            ForwardWrites(module, {id(p): n for n, p in trainable_parameters(module)}, reason)
+            ForwardWrites(
+                module,
+                {id(p): n for n, p in trainable_parameters(module)},
+                reason,
+                between_steps_reason(config.stage, config.precision, config.offload_optimizer),
+            )
             if reason is not None
             else None
         )
@@ -333,6 +338,7 @@ class Engine:
         if config.redundancy == "host-copy":
             self.host_copies = HostCopies(config.redundancy_interval, self.comm)
         self._saves = 0
+        self._weights_written()
         self._pending_save: SaveHandle | None = None
         self._forward_stops = stop_forwards(module, self._interrupt)
         """An interrupted forward ends at the next module (see [Note: a forward given up]
@@ -469,6 +475,7 @@ class Engine:
         self.global_steps += 1
         self.micro_steps = 0
         self.state.move(TrainingState.IDLE)
+        self._weights_written()
         if self.host_copies is not None:
             self.host_copies.after_step(self._sharded_state())
         self.last_report = StepReport(
@@ -500,6 +507,12 @@ class Engine:
             )
         if between:
             self.reducer.zero_grads()
+
+    def _weights_written(self) -> None:
+        """The parameters hold what the engine wrote (see [Note: a forward that writes
+        its weights] in forward_writes.py)."""
+        if self._forward_writes is not None:
+            self._forward_writes.step_ended()
 
     def _discard_step(self) -> None:
         """Drop the step's gradients so far; the engine is between steps again."""
@@ -752,6 +765,7 @@ class Engine:
         if self.scaler is not None and counters.loss_scaler:
             self.scaler.load_state_dict(counters.loss_scaler)
         self.reducer.zero_grads()
+        self._weights_written()
 
     def _slice_root(self, path, must_exist: bool) -> Location:
         """With model parallelism each MP slice is a checkpoint of its own over the DP

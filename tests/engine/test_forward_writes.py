@@ -15,7 +15,7 @@ from torch import nn
 
 import zeroservice
 from tests.engine.harness import run_ddp, run_engine
-from zeroservice.forward_writes import watch_reason
+from zeroservice.forward_writes import between_steps_reason, watch_reason
 from zeroservice.launch import run_local
 
 
@@ -126,6 +126,71 @@ def test_stage_3_names_the_weight_written_while_gathered(kind):
     assert name in r["error"] and "modified in place while gathered" in r["error"], r
 
 
+def _load_after_initialize(config: dict) -> dict:
+    """Pretrained weights loaded into the model after ``initialize``, then trained."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    torch.manual_seed(1)
+    pretrained = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).state_dict()
+    engine = zeroservice.initialize(model, config, _adamw)
+    model.load_state_dict(pretrained)
+
+    def loss(m, batch):
+        dtype = next(m.module.parameters()).dtype  # DDP's module, or the engine's
+        return m(batch[0].to(dtype)).float().pow(2).mean()
+
+    out: dict = {
+        "loaded": {k: torch.equal(v.float(), pretrained[k]) for k, v in engine.state_dict().items()}
+    }
+    reference = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    reference.load_state_dict(pretrained)
+    out["ddp"] = run_ddp(reference, _adamw, _batches, 2, loss_fn=loss).losses
+    try:
+        out["losses"] = run_engine(engine, _batches, 2, loss_fn=loss, keep_state=False).losses
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    # After a refusal the engine trains on (from its masters).
+    out["after"] = run_engine(engine, _batches, 1, loss_fn=loss, keep_state=False).losses
+    engine.close()
+    return out
+
+
+LOADS = {
+    "stage1": {"stage": 1},
+    "stage2-bf16": {"stage": 2, "precision": "bf16"},
+    "stage0-offload": {"stage": 0, "offload_optimizer": True},
+}
+
+
+def _loads() -> dict[str, dict]:
+    return {name: _load_after_initialize(cfg) for name, cfg in LOADS.items()}
+
+
+@functools.cache
+def _load_results() -> dict[str, dict]:
+    return run_local(_loads, 2, timeout_s=300)[0]
+
+
+def test_weights_loaded_after_initialize_are_kept_where_the_parameters_are_the_masters():
+    """At stage 1 in fp32 each rank's shard of the parameters is its master: a load made
+    alike on every rank is what trains."""
+    r = _load_results()["stage1"]
+    assert "error" not in r, r
+    assert all(r["loaded"].values()), r["loaded"]
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ddp"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", ["stage2-bf16", "stage0-offload"])
+def test_weights_loaded_after_initialize_are_refused_where_a_master_is_apart(name):
+    """With bf16 or an offloaded optimizer the next step would write the masters (the
+    weights before the load) back: the first forward refuses it by name instead."""
+    r = _load_results()[name]
+    assert r["error"].startswith("forward: 0.weight, 0.bias, 2.weight, 2.bias changed"), r
+    assert "since its last step" in r["error"] and "masters are the weights" in r["error"]
+    assert "Load weights before initialize" in r["error"]
+    assert len(r["after"]) == 1
+
+
 def test_what_is_watched_follows_where_a_write_could_be_kept():
     assert watch_reason(0, 1, "fp32", offload=False) is None
     assert watch_reason(1, 1, "fp32", offload=False) is None  # one rank: its shard is all
@@ -134,3 +199,6 @@ def test_what_is_watched_follows_where_a_write_could_be_kept():
     assert "one rank's shard" in (watch_reason(2, 4, "bf16", offload=False) or "")
     assert "'bf16' precision's fp32 masters" in (watch_reason(0, 1, "bf16", offload=False) or "")
     assert "offloaded optimizer's masters" in (watch_reason(1, 1, "fp32", offload=True) or "")
+    assert between_steps_reason(1, "fp32", offload=False) is None  # the masters are shards
+    assert between_steps_reason(3, "bf16", offload=False) is None  # refused as a load
+    assert "masters are the weights" in (between_steps_reason(2, "fp16", offload=False) or "")
