@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -86,8 +87,6 @@ def check_unwrapped(module: nn.Module) -> None:
     FSDP or ``fully_shard``), itself or inside: its own hooks would reduce or shard the
     gradients and weights the engine reduces and shards, and training would silently
     not be the engine's."""
-    import sys
-
     kinds: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
     fsdp = sys.modules.get("torch.distributed.fsdp")  # only a program that used it
     if fsdp is not None:

@@ -53,19 +53,24 @@ class ForwardWrites:
         self._owners = _owners(module)
         self._versions: list[int] | None = None
 
+    def _now(self) -> list[int]:
+        return [p._version for p in self._params]
+
     def step_ended(self) -> None:
         """The engine wrote the weights (built, stepped, loaded): they are its own."""
         if self.between_steps is not None:
-            self._at_step = [p._version for p in self._params]
+            self._at_step = self._now()
 
     def forward_begins(self) -> None:
         """A training forward starts; the first one since the last backward counts (a
         step may run several forwards before its backward). Raise if a watched
         parameter changed since the last step, where that change would be lost."""
-        now = [p._version for p in self._params]
         before, self._at_step = self._at_step, None
+        if before is None and self._versions is not None:
+            return  # a later forward of the same step: nothing to read
+        now = self._now()
         if before is not None:
-            changed = [i for i, (a, b) in enumerate(zip(before, now, strict=True)) if a != b]
+            changed = _changed(before, now)
             if changed:
                 names = some_names([self._names[i] for i in changed], 5)
                 raise RuntimeError(
@@ -83,8 +88,7 @@ class ForwardWrites:
         before, self._versions = self._versions, None
         if before is None:
             return
-        now = [p._version for p in self._params]
-        changed = [i for i, (a, b) in enumerate(zip(before, now, strict=True)) if a != b]
+        changed = _changed(before, self._now())
         if changed:
             raise RuntimeError(self._message(changed))
 
@@ -99,6 +103,11 @@ class ForwardWrites:
             "copy, as DDP does), or change weights only through the optimizer. Nothing of "
             "this micro-batch was reduced"
         )
+
+
+def _changed(before: list[int], now: list[int]) -> list[int]:
+    """Indices of the parameters whose version counter moved."""
+    return [i for i, (a, b) in enumerate(zip(before, now, strict=True)) if a != b]
 
 
 def between_steps_reason(stage: int, precision: str, offload: bool) -> str | None:

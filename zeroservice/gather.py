@@ -45,6 +45,7 @@ from . import comm
 from .buffers import BufferCache
 from .flat import FlatUnit
 from .gather_check import GatherCheck
+from .naming import some_names
 from .param_access import ParamAccess
 from .prefetch import PrefetchPlan
 from .reduce import GradReducer, late_gradient
@@ -283,7 +284,7 @@ class ParamGatherer:
         """Autograd is done with one use of a unit (its ``_GatherUnit`` node fired): stage
         its gradients; after the last use, release it and launch its reduction."""
         if not self.reducer.active:
-            names = ", ".join(s.names[0] for s in self.units[index].slots[:3])
+            names = some_names([s.names[0] for s in self.units[index].slots])
             raise RuntimeError(
                 f"stage 3: a backward that was not this engine's reached [{names}]: "
                 "loss.backward() instead of engine.backward(loss), or another engine's "

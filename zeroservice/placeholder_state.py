@@ -43,7 +43,7 @@ def reading_own_state() -> Iterator[None]:
 
 def guard_placeholders(root: nn.Module, units: list[FlatUnit]) -> None:
     """Hook every module that registers a partitioned parameter (by each of its names)."""
-    owned: dict[int, tuple[nn.Module, list[tuple[str, int]]]] = {}
+    owned: dict[int, tuple[nn.Module, list[str]]] = {}
     for unit in units:
         for slot in unit.slots:
             if slot.numel == 0:
@@ -51,20 +51,20 @@ def guard_placeholders(root: nn.Module, units: list[FlatUnit]) -> None:
             for full in slot.names:
                 prefix, _, leaf = full.rpartition(".")
                 module = root.get_submodule(prefix) if prefix else root
-                owned.setdefault(id(module), (module, []))[1].append((leaf, slot.numel))
+                owned.setdefault(id(module), (module, []))[1].append(leaf)
     for module, leaves in owned.values():
         module.register_state_dict_post_hook(partial(_refuse_placeholders_saved, leaves))
         module.register_load_state_dict_pre_hook(partial(_refuse_load, leaves))
 
 
 def _refuse_placeholders_saved(
-    leaves: list[tuple[str, int]], module: nn.Module, state: dict, prefix: str, meta: Any
+    leaves: list[str], module: nn.Module, state: dict, prefix: str, meta: Any
 ) -> None:
     if _reading:
         return
     empty = [
         prefix + leaf
-        for leaf, _ in leaves
+        for leaf in leaves
         if (value := state.get(prefix + leaf)) is not None and value.numel() == 0
     ]
     if empty:
@@ -77,10 +77,8 @@ def _refuse_placeholders_saved(
         )
 
 
-def _refuse_load(
-    leaves: list[tuple[str, int]], module: nn.Module, state: dict, prefix: str, *_: Any
-) -> None:
-    given = [prefix + leaf for leaf, _ in leaves if prefix + leaf in state]
+def _refuse_load(leaves: list[str], module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
+    given = [prefix + leaf for leaf in leaves if prefix + leaf in state]
     if given:
         raise RuntimeError(
             f"load_state_dict: at stage 3 {some_names(given)} live in shards across the ranks, "

@@ -346,6 +346,8 @@ class GradReducer:
     def take_stray(self) -> tuple[list[str], list[str]]:
         """Parameters another backward reached since the last call: (between steps, at
         stages 0/1; inside a step), both then cleared."""
+        if not (self.stray or self.stray_mid_step):
+            return [], []  # the usual case, on every backward and step
         found = (list(self.stray), list(self.stray_mid_step))
         self.stray, self.stray_mid_step = {}, {}
         return found

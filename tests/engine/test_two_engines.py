@@ -99,7 +99,9 @@ def _inside_a_step(stage: int) -> dict:
     except RuntimeError as exc:
         out["error"] = str(exc)
     # The refused step left the engine between steps, holding no gradient: it trains on.
-    out["grads_held"] = sum(float(g.abs().sum()) for g in disc.reducer.full_grads)
+    held = list(disc.reducer.full_grads)  # stages 0/1; stage 2 holds them as .grad
+    held += [p.grad for p in disc.module.parameters() if p.grad is not None]
+    out["grads_held"] = sum(float(g.abs().sum()) for g in held)
     disc.backward(F.softplus(-disc(real)).mean())
     out["next_step_applied"] = disc.step().applied
     gen.step()
