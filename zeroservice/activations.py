@@ -28,6 +28,7 @@ counted in ``overflows``; the arena grows to fit at the next step.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -42,13 +43,24 @@ from .tensor_parallel import MPGroup
 
 
 @dataclass
+class _Held:
+    """What one checkpoint counts in its store, until it is given back."""
+
+    bytes: int
+    on_host: bool
+    freed: bool = False
+
+
+@dataclass
 class _Saved:
     piece: torch.Tensor
-    """What is held: the whole input or this rank's slice, on the device or the host."""
+    """What is held: the whole input or this rank's slice, on the device or the host;
+    once given back, a private copy of the whole input (see [Note: backwards that are
+    not the engine's])."""
     shape: torch.Size
     numel: int
     device: torch.device
-    bytes: int
+    held: _Held
 
 
 class CheckpointStore:
@@ -66,7 +78,10 @@ class CheckpointStore:
         self.offload, self.contiguous, self.blocks = offload, contiguous, blocks
         self.arena = Arena(blocks)
         """M_D: one buffer for a forward's checkpoints (see buffers.Arena)."""
-        self._live = 0
+        self._in_arena: dict[int, weakref.ref[_Saved]] = {}
+        """Checkpoints held in the arena, by id of their ``_Held``."""
+        self.moved_out = 0
+        """Checkpoints moved out of the arena after an engine backward left them."""
         self.device_bytes = 0
         self.host_bytes = 0
         self.peak_bytes = 0
@@ -81,7 +96,7 @@ class CheckpointStore:
         pin = self.offload and like.is_cuda
         if not self.contiguous:
             return torch.empty(numel, dtype=like.dtype, device=home, pin_memory=pin)
-        if self._live == 0:  # nothing held: a new forward starts at the arena's start
+        if not self._in_arena:  # nothing held: a new forward starts at the arena's start
             self.arena.rewind()
         return self.arena.take(numel, like.dtype, home, pin)
 
@@ -98,18 +113,28 @@ class CheckpointStore:
         else:
             piece = self._slot(numel, x)
             piece.copy_(flat, non_blocking=True)
-        nbytes = piece.numel() * piece.element_size()
-        self._live += 1
+        held = _Held(
+            piece.numel() * piece.element_size(), self.offload and piece.device.type == "cpu"
+        )
         self.saved += 1
-        if piece.device.type == "cpu" and self.offload:
-            self.host_bytes += nbytes
+        if held.on_host:
+            self.host_bytes += held.bytes
         else:
-            self.device_bytes += nbytes
+            self.device_bytes += held.bytes
         self.peak_bytes = max(self.peak_bytes, self.device_bytes + self.host_bytes)
-        return _Saved(piece, x.shape, numel, x.device, nbytes)
+        saved = _Saved(piece, x.shape, numel, x.device, held)
+        if self.arena.holds(piece):
+            self._in_arena[id(held)] = weakref.ref(saved)
+        # A graph dropped without a backward (a forward whose loss was never
+        # back-propagated) gives its checkpoints back when it is freed: else the arena
+        # would never start again from its beginning.
+        weakref.finalize(saved, self._give_back, held).atexit = False
+        return saved
 
     def load(self, saved: _Saved) -> torch.Tensor:
         """The whole input again, on its device (gathered over MP with P_a)."""
+        if saved.held.freed:
+            return saved.piece.clone().view(saved.shape)
         piece = saved.piece.to(saved.device, non_blocking=True)
         if self.mp is not None:
             piece = self.mp.all_gather_flat(piece)[: saved.numel]
@@ -117,12 +142,36 @@ class CheckpointStore:
             piece = piece.clone()  # the arena slot is reused by the next step's forward
         return piece.view(saved.shape)
 
-    def free(self, saved: _Saved) -> None:
-        self._live -= 1
-        if self.offload and saved.piece.device.type == "cpu":
-            self.host_bytes -= saved.bytes
+    def free(self, saved: _Saved, keep: torch.Tensor | None = None) -> None:
+        """Give the checkpoint's storage back (once). ``keep``, the whole input as
+        loaded, stays with ``saved`` for a graph that may be back-propagated again."""
+        if keep is not None:
+            saved.piece = keep.detach().reshape(-1)
+        self._give_back(saved.held)
+
+    def _give_back(self, held: _Held) -> None:
+        if held.freed:
+            return
+        held.freed = True
+        self._in_arena.pop(id(held), None)
+        if held.on_host:
+            self.host_bytes -= held.bytes
         else:
-            self.device_bytes -= saved.bytes
+            self.device_bytes -= held.bytes
+
+    def end_backward(self) -> None:
+        """The engine's backward is done. A checkpoint still in the arena belongs to a
+        graph it did not traverse (a forward whose loss is kept, not back-propagated):
+        it moves to storage of its own, so that the next forward starts the arena again
+        and never writes over what that graph may still read; the arena is not sized
+        for it."""
+        for ref in list(self._in_arena.values()):
+            saved = ref()
+            if saved is not None:
+                self.arena.forget(saved.piece.numel())
+                saved.piece = saved.piece.clone()
+                self.moved_out += 1
+        self._in_arena.clear()
 
     @property
     def arena_bytes(self) -> int:
@@ -157,18 +206,39 @@ def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.d
 
 
 class _Checkpoint(torch.autograd.Function):
-    """Forward without a graph keeping only the input; backward recomputes."""
+    """Forward without a graph keeping only the input; backward recomputes.
+
+    [Note: backwards that are not the engine's]
+    In the engine's own backward the recomputed block back-propagates in a backward of
+    its own, which accumulates every parameter's gradient (the reentrant scheme). Any
+    other backward through the block asks for less: ``torch.autograd.grad(loss, x)``
+    (an adversarial example, a saliency map) wants the input's gradient and must leave
+    the parameters' ``.grad`` alone, and another engine's loss through this model (a
+    GAN's generator) wants only the input's too. There the recomputed block gives the
+    input's gradient alone, with ``torch.autograd.grad``, so no parameter sees a
+    gradient that the engine would have to tell from its step's own.
+
+    Such a backward may retain the graph (``retain_graph=True``, then the same loss in
+    the engine's backward: clean and adversarial losses together). Its checkpoint then
+    leaves the arena, which the next forward reuses, for a private copy held by the
+    graph's node, and the later backward recomputes from that copy.
+
+    A backward with ``create_graph=True`` (a gradient penalty, a Hessian-vector product)
+    would differentiate the recomputation a second time. The recomputation starts from
+    a detached copy of the input, so the second derivative through everything before
+    the block would be lost without a word: it is refused, naming the block."""
 
     @staticmethod
     def forward(
         ctx,
         checkpointer: ActivationCheckpointer,
+        name: str,
         run: Callable,
         rerun: Callable,
         x: torch.Tensor,
         anchor,
     ):
-        ctx.checkpointer, ctx.rerun = checkpointer, rerun
+        ctx.checkpointer, ctx.name, ctx.rerun = checkpointer, name, rerun
         ctx.saved = checkpointer.store.save(x)
         ctx.rng = _rng_state(x.device)
         ctx.requires_input_grad = x.requires_grad
@@ -178,8 +248,17 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ck: ActivationCheckpointer = ctx.checkpointer
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"activation checkpointing: a backward with create_graph=True reached "
+                f"checkpointed block {ctx.name or 'of the model'} (a gradient penalty or a "
+                "second derivative through the model); the block is recomputed from a "
+                "detached copy of its input, so its second derivative would be wrong. "
+                "Turn activation_checkpointing off for this model"
+            )
+        own = ck.own_backward()
         x = ck.store.load(ctx.saved).detach().requires_grad_(ctx.requires_input_grad)
-        ck.store.free(ctx.saved)
+        ck.store.free(ctx.saved, keep=None if own else x)
         with _replay_rng(ctx.rng, x.device), torch.enable_grad(), ck.replaying():
             out = ctx.rerun(x)
         outs = out if isinstance(out, tuple) else (out,)
@@ -188,9 +267,17 @@ class _Checkpoint(torch.autograd.Function):
             for o, g in zip(outs, grads, strict=True)
             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
         ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return None, None, None, x.grad if ctx.requires_input_grad else None, None
+        none = (None, None, None, None)
+        if own:
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            return *none, x.grad if ctx.requires_input_grad else None, None
+        if not (pairs and ctx.requires_input_grad):
+            return *none, None, None
+        (gx,) = torch.autograd.grad(
+            [o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True
+        )
+        return *none, gx, None
 
 
 class ActivationCheckpointer:
@@ -215,8 +302,12 @@ class ActivationCheckpointer:
         store: CheckpointStore,
         recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         root: nn.Module | None = None,
+        own_backward: Callable[[], bool] = lambda: True,
     ):
         self.store = store
+        self.own_backward = own_backward
+        """True inside the engine's backward (see [Note: backwards that are not the
+        engine's])."""
         self.recomputing = recompute_context or contextlib.nullcontext
         self.modules = modules
         self._anchor = torch.empty(0, requires_grad=True)
@@ -273,7 +364,7 @@ class ActivationCheckpointer:
 
         # The anchor needs a gradient, so the block's output does even when its input
         # does not: backward always reaches the recomputation (and the parameters).
-        return _Checkpoint.apply(self, run, rerun, x, self._anchor)
+        return _Checkpoint.apply(self, name, run, rerun, x, self._anchor)
 
     def take_expected_fires(self) -> dict[int, int]:
         """Per parameter id used by a checkpointed call since the last backward, how many

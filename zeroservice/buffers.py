@@ -203,6 +203,17 @@ class Arena:
         self._used += numel
         return piece
 
+    def forget(self, numel: int) -> None:
+        """A piece taken in this pass moved out: the next rewind does not size for it."""
+        self._pass_need -= numel
+
+    def holds(self, piece: torch.Tensor) -> bool:
+        """Whether ``piece`` is a slice of the arena's buffer (not an overflow)."""
+        b = self._buffer
+        return (
+            b is not None and piece.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        )
+
     @property
     def bytes(self) -> int:
         b = self._buffer

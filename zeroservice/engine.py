@@ -317,12 +317,16 @@ class Engine:
                 contiguous=config.contiguous_activations,
                 blocks=len(blocks),
             )
-            recompute = None
+            recompute, state = None, self.state
             if self.gatherer is not None:
                 self.gatherer.checkpointed.update(id(m) for _, m in blocks)
                 recompute = self.gatherer.recomputing
             self._checkpointer = ActivationCheckpointer(
-                blocks, self.activations, recompute, root=module
+                blocks,
+                self.activations,
+                recompute,
+                root=module,
+                own_backward=lambda: state.value.in_backward,
             )
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.micro_steps = 0
@@ -428,6 +432,8 @@ class Engine:
             scale = self.loss_scale / self.config.gradient_accumulation_steps
             self.host_trim()  # what the forward freed
             (loss * scale if scale != 1.0 else loss).backward()
+            if self.activations is not None:
+                self.activations.end_backward()
             self.reducer.finalize_backward()
             self.comm.release_scratch()
             if self.gatherer is not None:
