@@ -49,6 +49,7 @@ from .schedule import lr_factor
 from .stages import policy_for
 from .state import StateCell, TrainingState
 from .tensor_parallel import MPGroup, is_mp_sharded, mp_groups_of, mp_split
+from .trainable_set import TrainableSet
 from .units import plan_layout
 from .zeropp import NodeGroups, Scratch, Secondary, build_node_groups, node_of
 
@@ -301,6 +302,9 @@ class Engine:
         )
         """Trainable parameters a forward changes in place, refused before its backward
         (see [Note: a forward that writes its weights] in forward_writes.py)."""
+        self._trainable = TrainableSet(module)
+        """requires_grad as planned, checked at every training forward (see [Note: the
+        trainable set] in trainable_set.py)."""
         self.activations: CheckpointStore | None = None
         self._checkpointer: ActivationCheckpointer | None = None
         if config.activation_checkpointing:
@@ -352,6 +356,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         self._require_state("forward")
         if torch.is_grad_enabled():
+            self._trainable.check()
             self.host_trim()  # what the last step freed: see [Note: host heap trimming]
         if self.config.broadcast_buffers:
             self._broadcast_buffers()

@@ -78,6 +78,14 @@ class _Plan:
             saved = _match(piece, by_name, source)
             for kind in ["master"] if piece.unit.frozen else self.kinds:
                 segs = index.get((saved["name"], kind), [])
+                if not segs and kind != "master" and (saved["name"], "master") in index:
+                    raise CheckpointMismatch(
+                        f"{source}: {saved['name']} was frozen (requires_grad=False) when "
+                        f"this checkpoint was saved and is trainable now: the checkpoint "
+                        f"holds its weights but no {kind} for it. Keep it frozen to load "
+                        "this checkpoint, or start from its weights with a fresh optimizer: "
+                        "`zeroservice checkpoint export` and initialize(..., init=<file>)"
+                    )
                 self._cover(piece, kind, segs, saved["name"])
         self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for name, buffer in persistent_buffers(state.module):

@@ -1,0 +1,162 @@
+"""Which parameters train is fixed at initialize (see [Note: the trainable set] in
+trainable_set.py): a requires_grad flipped afterwards is refused by name at the next
+training forward, before anything runs, where it used to go on training a parameter
+frozen since and leave one unfrozen since as it was. A checkpoint loads into an engine
+with more frozen; one whose parameter was frozen at the save is refused by name where
+that parameter is trainable now."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zeroservice
+from tests.engine.harness import mean_over_ranks
+from zeroservice.checkpoint import CheckpointMismatch
+from zeroservice.launch import run_local
+
+STAGES = (0, 1, 2, 3)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+
+def _engine(stage: int, head_trainable: bool = True, seed: int = 0) -> zeroservice.Engine:
+    torch.manual_seed(seed)
+    model = _Net()
+    model.head.weight.requires_grad_(head_trainable)
+    return zeroservice.initialize(
+        model, {"stage": stage}, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    )
+
+
+def _train(engine: zeroservice.Engine, step: int) -> float:
+    x, y = _batch(step)
+    loss = F.cross_entropy(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return mean_over_ranks(loss.item())
+
+
+def _flips() -> dict:
+    out = {}
+    for stage in STAGES:
+        for flip in ("freeze", "unfreeze"):
+            engine = _engine(stage, head_trainable=flip == "freeze")
+            head = engine.module.head.weight
+            losses = [_train(engine, 0)]
+            launched = engine.comm_ledger().launched
+            head.requires_grad_(not head.requires_grad)
+            try:
+                _train(engine, 1)
+                refused = None
+            except RuntimeError as e:
+                refused = str(e)
+            nothing_ran = engine.micro_steps == 0 and engine.comm_ledger().launched == launched
+            head.requires_grad_(not head.requires_grad)  # restored: trains on
+            losses += [_train(engine, s) for s in (1, 2)]
+            engine.close()
+            plain = _engine(stage, head_trainable=flip == "freeze")
+            expected = [_train(plain, s) for s in (0, 1, 2)]
+            plain.close()
+            out[(stage, flip)] = {
+                "refused": refused,
+                "nothing_ran": nothing_ran,
+                "losses": losses,
+                "expected": expected,
+            }
+    return out
+
+
+def test_a_flag_flipped_after_initialize_is_refused_before_the_forward_runs():
+    out = run_local(_flips, 2, timeout_s=300)[0]
+    for (stage, flip), r in out.items():
+        assert r["refused"] is not None, (stage, flip)
+        said = {"freeze": "frozen", "unfreeze": "unfrozen"}[flip]
+        assert f"({said} since: head.weight)" in r["refused"], (stage, flip, r["refused"])
+        assert r["nothing_ran"], (stage, flip)
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(r["expected"]), rtol=1e-5, atol=0
+        )
+
+
+def _reload(root: str) -> dict:
+    out = {}
+    for stage in STAGES:
+        for saved_trainable in (True, False):
+            path = os.path.join(root, f"s{stage}-{saved_trainable}")
+            engine = _engine(stage, head_trainable=saved_trainable)
+            _train(engine, 0)
+            engine.save_checkpoint(path)
+            engine.wait_for_save()
+            saved = {k: v.clone() for k, v in engine.state_dict().items()}
+            engine.close()
+            other = _engine(stage, head_trainable=not saved_trainable, seed=1)
+            before = {k: v.clone() for k, v in other.state_dict().items()}
+            try:
+                other.load_checkpoint(path)
+                refused = None
+            except CheckpointMismatch as e:
+                refused = str(e)
+            loaded = {k: v.clone() for k, v in other.state_dict().items()}
+            _train(other, 1)
+            after = other.state_dict()
+            other.close()
+            out[(stage, saved_trainable)] = {
+                "refused": refused,
+                "loaded_saved": all(torch.equal(loaded[k], saved[k]) for k in saved),
+                "unchanged": all(torch.equal(loaded[k], before[k]) for k in before),
+                "head_moved": not torch.equal(after["head.weight"], loaded["head.weight"]),
+            }
+    return out
+
+
+def test_a_checkpoint_loads_with_more_frozen_and_is_refused_by_name_with_less(tmp_path):
+    out = run_local(functools.partial(_reload, str(tmp_path)), 2, timeout_s=300)[0]
+    for stage in STAGES:
+        frozen_now = out[(stage, True)]
+        assert frozen_now["refused"] is None and frozen_now["loaded_saved"], stage
+        assert not frozen_now["head_moved"], stage  # frozen: the step leaves it alone
+        unfrozen_now = out[(stage, False)]
+        assert unfrozen_now["refused"] is not None, stage
+        assert "head.weight was frozen" in unfrozen_now["refused"], unfrozen_now["refused"]
+        assert "no exp_avg" in unfrozen_now["refused"], unfrozen_now["refused"]
+        assert unfrozen_now["unchanged"], stage  # the engine kept what it had
+        assert unfrozen_now["head_moved"], stage  # and trains on
+
+
+def _frozen_for_evaluation() -> bool:
+    engine = _engine(1)
+    _train(engine, 0)
+    params = list(engine.module.parameters())
+    for p in params:
+        p.requires_grad_(False)
+    with torch.no_grad():
+        engine(_batch(1)[0])
+    for p in params:
+        p.requires_grad_(True)
+    _train(engine, 1)
+    engine.close()
+    return True
+
+
+def test_flags_are_not_read_outside_training_forwards():
+    """An evaluation under torch.no_grad with every parameter frozen is not refused."""
+    assert all(run_local(_frozen_for_evaluation, 2, timeout_s=120))
