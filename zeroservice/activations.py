@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from .buffers import Arena
+from .recompute_buffers import BufferWrites, as_before
 from .tensor_parallel import MPGroup
 
 
@@ -233,17 +234,21 @@ class _Checkpoint(torch.autograd.Function):
         ctx,
         checkpointer: ActivationCheckpointer,
         name: str,
+        module: nn.Module,
         run: Callable,
         rerun: Callable,
         x: torch.Tensor,
         anchor,
     ):
-        ctx.checkpointer, ctx.name, ctx.rerun = checkpointer, name, rerun
+        ctx.checkpointer, ctx.name, ctx.module, ctx.rerun = checkpointer, name, module, rerun
         ctx.saved = checkpointer.store.save(x)
         ctx.rng = _rng_state(x.device)
         ctx.requires_input_grad = x.requires_grad
+        before = checkpointer.buffer_writes.before(module)
         with torch.no_grad():
-            return run(x)
+            out = run(x)
+        ctx.buffers = checkpointer.buffer_writes.after(module, before)
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -259,25 +264,28 @@ class _Checkpoint(torch.autograd.Function):
         own = ck.own_backward()
         x = ck.store.load(ctx.saved).detach().requires_grad_(ctx.requires_input_grad)
         ck.store.free(ctx.saved, keep=None if own else x)
-        with _replay_rng(ctx.rng, x.device), torch.enable_grad(), ck.replaying():
-            out = ctx.rerun(x)
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = [
-            (o, g)
-            for o, g in zip(outs, grads, strict=True)
-            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-        ]
-        none = (None, None, None, None)
-        if own:
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            return *none, x.grad if ctx.requires_input_grad else None, None
-        if not (pairs and ctx.requires_input_grad):
-            return *none, None, None
-        (gx,) = torch.autograd.grad(
-            [o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True
-        )
-        return *none, gx, None
+        # The recomputation and its backward see the buffers as the first forward did
+        # (see [Note: buffers of a recomputed block] in recompute_buffers.py).
+        with as_before(ctx.module, ctx.buffers):
+            with _replay_rng(ctx.rng, x.device), torch.enable_grad(), ck.replaying():
+                out = ctx.rerun(x)
+            outs = out if isinstance(out, tuple) else (out,)
+            pairs = [
+                (o, g)
+                for o, g in zip(outs, grads, strict=True)
+                if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+            ]
+            none = (None, None, None, None, None)
+            if own:
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                return *none, x.grad if ctx.requires_input_grad else None, None
+            if not (pairs and ctx.requires_input_grad):
+                return *none, None, None
+            (gx,) = torch.autograd.grad(
+                [o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True
+            )
+            return *none, gx, None
 
 
 class ActivationCheckpointer:
@@ -305,6 +313,7 @@ class ActivationCheckpointer:
         own_backward: Callable[[], bool] = lambda: True,
     ):
         self.store = store
+        self.buffer_writes = BufferWrites()
         self.own_backward = own_backward
         """True inside the engine's backward (see [Note: backwards that are not the
         engine's])."""
@@ -364,7 +373,7 @@ class ActivationCheckpointer:
 
         # The anchor needs a gradient, so the block's output does even when its input
         # does not: backward always reaches the recomputation (and the parameters).
-        return _Checkpoint.apply(self, name, run, rerun, x, self._anchor)
+        return _Checkpoint.apply(self, name, module, run, rerun, x, self._anchor)
 
     def take_expected_fires(self) -> dict[int, int]:
         """Per parameter id used by a checkpointed call since the last backward, how many

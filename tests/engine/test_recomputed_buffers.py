@@ -1,0 +1,118 @@
+"""Buffers a checkpointed block's forward writes change once per step (see [Note:
+buffers of a recomputed block] in recompute_buffers.py). With activation checkpointing a
+block's forward runs twice; BatchNorm counted every batch twice in its running
+statistics and spectral norm took a second power iteration, so the recomputed weight
+was not the one the loss saw. Both models train to DDP's losses (rtol 1e-5) at every
+stage; BatchNorm's statistics and its evaluation equal DDP's (SGD, which does not turn
+rounding noise into steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parametrizations
+
+import zeroservice
+from tests.engine.harness import mean_over_ranks
+from zeroservice.launch import run_local
+
+STEPS = 4
+STAGES = (0, 1, 2, 3)
+
+
+class _Normed(nn.Module):
+    """Blocks (the checkpointed ModuleList) holding BatchNorm or a spectral norm."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+
+        def block() -> nn.Module:
+            if kind == "batchnorm":
+                return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())
+            return nn.Sequential(parametrizations.spectral_norm(nn.Linear(16, 16)), nn.Tanh())
+
+        self.blocks = nn.ModuleList(block() for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+
+def _optimizer(kind: str):
+    if kind == "batchnorm":
+        return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+
+
+def _run(model, kind: str, engine: zeroservice.Engine | None) -> dict:
+    opt = None if engine is not None else _optimizer(kind)(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = F.cross_entropy(model(x), y)
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            assert opt is not None
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(mean_over_ranks(loss.item()))
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(_batch(99)[0])
+    module = engine.module if engine is not None else model.module
+    stats = {n: b.clone() for n, b in module.named_buffers() if n.startswith("blocks.")}
+    return {"losses": losses, "eval": evaluated, "buffers": stats}
+
+
+def _both() -> dict:
+    out = {}
+    for kind in ("batchnorm", "spectral"):
+        torch.manual_seed(0)
+        out[(kind, "ddp")] = _run(DDP(_Normed(kind)), kind, None)
+        for stage in STAGES:
+            torch.manual_seed(0)
+            engine = zeroservice.initialize(
+                _Normed(kind),
+                {"stage": stage, "activation_checkpointing": True},
+                _optimizer(kind),
+            )
+            out[(kind, stage)] = _run(engine, kind, engine)
+            engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return run_local(_both, 2, timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", ["batchnorm", "spectral"])
+def test_a_recomputed_block_writes_its_buffers_once_per_step(runs, kind, stage):
+    ours, ref = runs[(kind, stage)], runs[(kind, "ddp")]
+    torch.testing.assert_close(
+        torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0
+    )
+    assert ours["buffers"].keys() == ref["buffers"].keys()
+    if kind == "batchnorm":
+        for name, value in ref["buffers"].items():
+            if name.endswith("num_batches_tracked"):
+                assert int(ours["buffers"][name]) == STEPS, name
+            torch.testing.assert_close(ours["buffers"][name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours["eval"], ref["eval"], rtol=1e-5, atol=1e-6)
