@@ -206,6 +206,36 @@ def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.d
         yield
 
 
+@dataclass(frozen=True)
+class _Autocast:
+    """torch.autocast as a checkpointed forward ran under it, per device type."""
+
+    states: tuple[tuple[str, bool, torch.dtype], ...]
+    cache: bool
+
+    @staticmethod
+    def now(device: torch.device) -> _Autocast:
+        types = ["cpu"] if device.type == "cpu" else [device.type, "cpu"]
+        return _Autocast(
+            tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types),
+            torch.is_autocast_cache_enabled(),
+        )
+
+    @contextlib.contextmanager
+    def again(self):
+        """The recomputation computes in the dtypes the forward did: backward runs
+        outside the caller's autocast, and a block recomputed in float32 from a bf16
+        input would fail or give other gradients."""
+        with contextlib.ExitStack() as stack:
+            for device_type, enabled, dtype in self.states:
+                stack.enter_context(
+                    torch.autocast(
+                        device_type, dtype=dtype, enabled=enabled, cache_enabled=self.cache
+                    )
+                )
+            yield
+
+
 class _Checkpoint(torch.autograd.Function):
     """Forward without a graph keeping only the input; backward recomputes.
 
@@ -243,6 +273,7 @@ class _Checkpoint(torch.autograd.Function):
         ctx.checkpointer, ctx.name, ctx.module, ctx.rerun = checkpointer, name, module, rerun
         ctx.saved = checkpointer.store.save(x)
         ctx.rng = _rng_state(x.device)
+        ctx.autocast = _Autocast.now(x.device)
         ctx.requires_input_grad = x.requires_grad
         before = checkpointer.buffer_writes.before(module)
         with torch.no_grad():
@@ -267,7 +298,8 @@ class _Checkpoint(torch.autograd.Function):
         # The recomputation and its backward see the buffers as the first forward did
         # (see [Note: buffers of a recomputed block] in recompute_buffers.py).
         with as_before(ctx.module, ctx.buffers):
-            with _replay_rng(ctx.rng, x.device), torch.enable_grad(), ck.replaying():
+            rng = _replay_rng(ctx.rng, x.device)
+            with rng, torch.enable_grad(), ck.replaying(), ctx.autocast.again():
                 out = ctx.rerun(x)
             outs = out if isinstance(out, tuple) else (out,)
             pairs = [

@@ -1,10 +1,16 @@
-"""Buffers a checkpointed block's forward writes change once per step (see [Note:
-buffers of a recomputed block] in recompute_buffers.py). With activation checkpointing a
-block's forward runs twice; BatchNorm counted every batch twice in its running
-statistics and spectral norm took a second power iteration, so the recomputed weight
-was not the one the loss saw. Both models train to DDP's losses (rtol 1e-5) at every
-stage; BatchNorm's statistics and its evaluation equal DDP's (SGD, which does not turn
-rounding noise into steps)."""
+"""A checkpointed block's recomputation reproduces its forward.
+
+Buffers the forward writes change once per step (see [Note: buffers of a recomputed
+block] in recompute_buffers.py): with activation checkpointing a block's forward runs
+twice; BatchNorm counted every batch twice in its running statistics and spectral norm
+took a second power iteration, so the recomputed weight was not the one the loss saw.
+Both models train to DDP's losses (rtol 1e-5) at every stage; BatchNorm's statistics
+and its evaluation equal DDP's (SGD, which does not turn rounding noise into steps).
+
+Under ``torch.autocast`` the recomputation runs in the dtypes the forward did (backward
+runs outside the caller's autocast; a block recomputed in float32 from its bf16 input
+failed): the gradients are bit-for-bit those without checkpointing.
+"""
 
 from __future__ import annotations
 
@@ -116,3 +122,36 @@ def test_a_recomputed_block_writes_its_buffers_once_per_step(runs, kind, stage):
                 assert int(ours["buffers"][name]) == STEPS, name
             torch.testing.assert_close(ours["buffers"][name], value, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ours["eval"], ref["eval"], rtol=1e-5, atol=1e-6)
+
+
+def _autocast(stage: int, checkpointed: bool) -> tuple[list[float], dict]:
+    torch.manual_seed(0)
+    engine = zeroservice.initialize(
+        _Normed("spectral"),
+        {"stage": stage, "activation_checkpointing": checkpointed},
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    )
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    weights = {n: w.clone() for n, w in engine.state_dict().items()}
+    engine.close()
+    return losses, weights
+
+
+def _autocast_both() -> dict:
+    return {(s, c): _autocast(s, c) for s in (0, 3) for c in (False, True)}
+
+
+def test_under_autocast_the_recomputation_gives_the_same_gradients():
+    out = run_local(_autocast_both, 2, timeout_s=300)[0]
+    for stage in (0, 3):
+        (plain, plain_w), (ours, ours_w) = out[(stage, False)], out[(stage, True)]
+        assert ours == plain, stage
+        for name, value in plain_w.items():
+            assert torch.equal(ours_w[name], value), (stage, name)
