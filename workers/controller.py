@@ -15,7 +15,8 @@ job_states.py) and the allowed moves (workers.state.TRANSITIONS):
               succeeded (all steps) | resizing (capacity returned: at a checkpoint
               boundary, grow up to max_dp) | resizing (a lost worker or a stall:
               counts a restart; down to min_dp) | failed (a training error, the
-              restart budget spent) | cancelled. A save that failed (a full disk)
+              restart budget spent, a loss that is not finite: see [Note: a
+              diverged job]) | cancelled. A save that failed (a full disk)
               is an event and the job goes on: running, the next save tries again
               (after the last step, the save alone, up to FINAL_SAVE_TRIES times)
 
@@ -54,6 +55,7 @@ so the unit tests step the machine with in-process ranks.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 import traceback
@@ -386,6 +388,9 @@ class JobController:
             self.record.add_chunk(chunks, group.stats())
             self._add_points(chunks, group.dp)
             self._progress_line(step, target, time.monotonic() - t0)
+            diverged = _first_non_finite(chunks)
+            if diverged is not None:
+                return self._diverged(group, *diverged)
             step = target
             if step % interval and step < spec.steps:  # a one-step chunk between saves
                 return Running(
@@ -432,6 +437,20 @@ class JobController:
                 message=f"room for {more} more replica(s): growing from the checkpoint",
             )
         return Running(group=group, step=step, message=state.message)
+
+    def _diverged(self, group: WorkerGroup, step: int, loss: float) -> State:
+        """A loss that is not finite: see [Note: a diverged job]."""
+        group.shutdown(clean=False)
+        newest = (
+            f"the newest checkpoint, step {self.reported_save}, is from before it"
+            if self.reported_save
+            else "no checkpoint was saved"
+        )
+        return Failed(
+            reason="diverged",
+            message=f"the loss is {loss} at step {step}: training diverged and the chunk "
+            f"was not saved; {newest}. Lower optimizer.lr, or set engine.gradient_clipping",
+        )
 
     def _succeeded(self, group: WorkerGroup) -> State:
         group.shutdown(clean=True)
@@ -631,6 +650,28 @@ class JobController:
         return Interrupted(
             Interruption.LOST, f"lost {names}" + (f": {detail}" if detail else ""), ranks
         )
+
+
+def _first_non_finite(chunks: list[RankChunk]) -> tuple[int, float] | None:
+    """The first step whose loss on some rank is NaN or infinite, and that loss.
+
+    [Note: a diverged job]
+    A loss that is NaN or infinite has already reached the weights: its gradients are
+    averaged into every replica's. Such a job would otherwise train on to its last step,
+    saving checkpoints of NaN weights that a restart would resume from, and succeed.
+    So the supervisor reads every rank's losses after each chunk (nothing is added to
+    the step: a rank stopping on its own would leave its peers in a collective), and a
+    chunk with a non-finite loss fails the job as ``diverged`` before its save: the
+    newest checkpoint is from before it. With fp16 a step whose gradients overflow is
+    skipped by the loss scaler; a non-finite loss (the forward itself) is not a
+    scaling matter and fails the job too, as Megatron-LM's loss check does."""
+    found = [
+        (step, loss)
+        for chunk in chunks
+        for step, loss in chunk.losses.items()
+        if not math.isfinite(loss)
+    ]
+    return min(found) if found else None
 
 
 def _slowest_phases(setups: list[RankSetup]) -> dict[str, Any]:

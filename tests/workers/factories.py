@@ -27,3 +27,24 @@ def hungry(gib: float):
         hold[i] = 1
     time.sleep(5)
     return tiny_model()
+
+
+def diverging(after: int):
+    """The tiny model whose loss turns NaN at its ``after``-th training forward (and so
+    do its gradients, and every weight they reach)."""
+    import torch
+
+    model = tiny_model()
+    plain = model.forward
+    calls = [0]
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = plain(x, y)
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] >= after:
+                loss = loss * float("nan")
+        return loss
+
+    model.forward = forward
+    return model

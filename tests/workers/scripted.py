@@ -28,6 +28,8 @@ class Script:
     die_after_commit: set[tuple[int, int, int]] = field(default_factory=set)
     """(attempt, rank, step) of a save that commits, then loses that rank before it
     answers (the save's report is lost with it)."""
+    nan: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(rank, step): a loss that is not finite there (a diverging job)."""
     full_disk: set[int] = field(default_factory=set)
     """Steps whose save fails (ENOSPC) on every rank."""
     fail_setup: set[int] = field(default_factory=set)
@@ -183,7 +185,8 @@ class ScriptedRank:
             if self.step % self.script.redundancy == 0:
                 self.copied = self.step
             self.script.trained.append(where)
-            losses[self.step] = self.unreported[self.step] = 1.0 / self.step
+            loss = self.script.nan.get((self.rank, self.step), 1.0 / self.step)
+            losses[self.step] = self.unreported[self.step] = loss
         self.phase = "idle"
         steps = [
             {"step": s, "loss": loss, "seconds": 0.1, "tokens": 64} for s, loss in losses.items()

@@ -189,6 +189,34 @@ def test_a_full_disk_fails_the_save_not_the_job():
     assert ctl.record.status == JobState.SUCCEEDED
 
 
+@pytest.mark.parametrize("loss", [float("nan"), float("inf")])
+def test_a_loss_that_is_not_finite_fails_the_job_before_its_chunk_is_saved(loss):
+    """See [Note: a diverged job] in workers/controller.py."""
+    script = Script(nan={(1, 6): loss, (0, 7): loss, (1, 7): loss})
+    spec = tiny_job(steps=12, checkpoint={"interval_steps": 4})
+    ctl = _controller(spec, scripted_pool(script, capacity=2))
+    assert _steps(ctl, 4) == [
+        (Queued, Starting),
+        (Starting, Running),
+        (Running, Running),  # steps 1-4, saved at 4
+        (Running, Failed),  # steps 5-8: step 6's loss on rank 1
+    ]
+    assert ctl.state.reason == "diverged"
+    assert f"the loss is {loss} at step 6" in ctl.state.message
+    assert "the newest checkpoint, step 4, is from before it" in ctl.state.message
+    assert [e["step"] for e in _events(ctl, "checkpoint")] == [4]
+    assert script.saved == 4 and ctl.record.restarts == 0
+    assert ctl.record.status == JobState.FAILED
+
+
+def test_a_loss_not_finite_in_the_first_chunk_says_no_checkpoint_was_saved():
+    script = Script(nan={(0, 1): float("nan")})
+    ctl = _controller(tiny_job(steps=8), scripted_pool(script, capacity=2))
+    assert _steps(ctl, 3)[2] == (Running, Failed)
+    assert ctl.state.reason == "diverged" and "no checkpoint was saved" in ctl.state.message
+    assert script.saved == 0
+
+
 def test_the_final_save_is_tried_again_then_fails_the_job():
     script = Script(full_disk={4})
     ctl = _controller(tiny_job(steps=4), scripted_pool(script, capacity=2))

@@ -111,6 +111,26 @@ def test_dp2_mp2_job_on_fractional_cpus_completes(local_ray, tmp_path):
     ray.kill(handle)
 
 
+def test_a_loss_turned_nan_fails_the_job_as_diverged_before_its_chunk_is_saved(local_ray, tmp_path):
+    """See [Note: a diverged job] in workers/controller.py."""
+    ray = local_ray
+    model = {
+        "kind": "factory",
+        "factory": "tests.workers.factories:diverging",
+        "kwargs": {"after": 6},
+        "vocab_size": 256,
+        "seq_len": 16,
+    }
+    handle, status = _run(ray, "nan", tiny_job(model=model, steps=12), tmp_path / "ckpt")
+    info = ray.get(handle.status.remote())
+    assert status == "failed", info
+    assert info["reason"] == "diverged", info
+    assert "the loss is nan at step 6" in info["message"], info
+    assert "the newest checkpoint, step 4, is from before it" in info["message"], info
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000004"]
+    ray.kill(handle)
+
+
 def test_killed_worker_resumes_from_checkpoint_with_fewer_ranks(local_ray, tmp_path):
     ray = local_ray
     spec = tiny_job(
