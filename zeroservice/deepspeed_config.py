@@ -1,13 +1,21 @@
 """Bring a DeepSpeed JSON config: translate what we support, refuse the rest by name.
 
 Nothing is silently ignored: a key we do not implement, or a value whose behaviour
-we do not reproduce, raises ConfigError naming the key.
+we do not reproduce, raises ConfigError naming the key. Every value is read with its
+type (a count is an integer, or an integral float such as 5e8; a switch is true or
+false), so a wrong one is refused by its key too, and ``"auto"``, which the Hugging
+Face Trainer replaces by its own arguments before DeepSpeed reads the config, is
+refused with that said. A few keys change only DeepSpeed's logging or its memory and
+time trade-offs, never what is trained: they are accepted and listed, with why, in
+``DeepSpeedSettings.without_effect`` (and a warning).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, overload
 
 import torch
 
@@ -62,11 +70,142 @@ _FP16 = {
 }
 
 
+WITHOUT_EFFECT = {
+    "steps_per_print": "DeepSpeed's own logging",
+    "wall_clock_breakdown": "DeepSpeed's own timers",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        "DeepSpeed's save_16bit_model; engine.state_dict() always gathers whole weights"
+    ),
+    "zero_optimization.sub_group_size": (
+        "DeepSpeed steps its optimizer in groups of this many elements to bound memory; "
+        "the update is the same, and here each rank's shard is stepped whole"
+    ),
+    "zero_optimization.stage3_max_reuse_distance": (
+        "when DeepSpeed keeps a released parameter for a near reuse; the prefetch here "
+        "follows the recorded order within stage3_prefetch_elements"
+    ),
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        "how much DeepSpeed fetches ahead; here stage3_prefetch_elements (from "
+        "stage3_max_live_parameters) bounds gathered and in-flight elements together"
+    ),
+    "zero_optimization.round_robin_gradients": "the order DeepSpeed copies offloaded gradients",
+}
+"""Keys accepted without effect, and why: none of them changes what is trained."""
+_NUMERIC_WITHOUT_EFFECT = {
+    "steps_per_print",
+    "zero_optimization.sub_group_size",
+    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_prefetch_bucket_size",
+}
+
+AUTO = (
+    "'auto' is filled in by the Hugging Face Trainer from its own arguments before "
+    "DeepSpeed reads the config; zeroservice reads the config as it is: give the value"
+)
+
+
 @dataclass
 class DeepSpeedSettings:
     config: ZeroConfig
     optimizer: OptimizerFactory | None
     """Built from the ``optimizer`` section, if the config has one."""
+    without_effect: dict[str, str] = field(default_factory=dict)
+    """Keys of the config accepted without effect here, and why (``WITHOUT_EFFECT``)."""
+
+
+def _not_auto(value: Any, name: str) -> None:
+    if isinstance(value, str) and value == "auto":
+        raise ConfigError(f"{name}='auto': {AUTO}")
+
+
+def _section(parent: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """A sub-object (absent or null: empty)."""
+    value = parent.get(key)
+    if value is None:
+        return {}
+    _not_auto(value, f"{where}{key}")
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}{key}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _flag(section: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    if key not in section:
+        return default
+    value = section[key]
+    _not_auto(value, f"{where}{key}")
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}{key}={value!r}: must be true or false")
+    return value
+
+
+@overload
+def _integer(
+    section: dict[str, Any], key: str, where: str, default: int, minimum: int = 0
+) -> int: ...
+@overload
+def _integer(
+    section: dict[str, Any], key: str, where: str, default: None = None, minimum: int = 0
+) -> int | None: ...
+def _integer(
+    section: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 0
+) -> int | None:
+    """An integer, or an integral float (DeepSpeed configs write 5e8)."""
+    if key not in section:
+        return default
+    value = section[key]
+    _not_auto(value, f"{where}{key}")
+    integral = _is_int(value) or (
+        isinstance(value, float) and math.isfinite(value) and value.is_integer()
+    )
+    if not integral or value < minimum:
+        raise ConfigError(f"{where}{key}={value!r}: must be an integer >= {minimum}")
+    return int(value)
+
+
+@overload
+def _real(section: dict[str, Any], key: str, where: str, default: float) -> float: ...
+@overload
+def _real(section: dict[str, Any], key: str, where: str, default: None = None) -> float | None: ...
+def _real(
+    section: dict[str, Any], key: str, where: str, default: float | None = None
+) -> float | None:
+    """A finite number >= 0."""
+    if key not in section:
+        return default
+    value = section[key]
+    _not_auto(value, f"{where}{key}")
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{where}{key}={value!r}: must be a finite number >= 0")
+    return float(value)
+
+
+def _text(section: dict[str, Any], key: str, where: str, default: str | None = None) -> str | None:
+    if key not in section:
+        return default
+    value = section[key]
+    _not_auto(value, f"{where}{key}")
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}{key}={value!r}: must be a string")
+    return value
+
+
+def _without_effect(ds: dict[str, Any], zero: dict[str, Any]) -> dict[str, str]:
+    """The keys of ``WITHOUT_EFFECT`` the config has, their values checked."""
+    found: dict[str, str] = {}
+    for name, why in WITHOUT_EFFECT.items():
+        section, where, key = ds, "", name
+        if name.startswith("zero_optimization."):
+            section, where, key = zero, "zero_optimization.", name.split(".", 1)[1]
+        if key not in section:
+            continue
+        if name in _NUMERIC_WITHOUT_EFFECT:
+            _integer(section, key, where)
+        else:
+            _flag(section, key, where, False)
+        found[name] = why
+    return found
 
 
 def _refuse_unknown(section: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -76,20 +215,21 @@ def _refuse_unknown(section: dict[str, Any], allowed: set[str], where: str) -> N
         raise ConfigError(f"{names}: not supported by zeroservice (refused, not ignored)")
 
 
-def _insist(section: dict[str, Any], key: str, value: Any, where: str) -> None:
-    if key in section and section[key] != value:
+def _insist(section: dict[str, Any], key: str, value: bool, where: str) -> None:
+    if _flag(section, key, where, value) != value:
         raise ConfigError(
             f"{where}{key}={section[key]!r}: zeroservice always behaves as {key}={value!r}"
         )
 
 
 def _zero(zero: dict[str, Any], out: dict[str, Any]) -> None:
-    _refuse_unknown(zero, _ZERO, "zero_optimization.")
+    where = "zero_optimization."
+    _refuse_unknown(zero, _ZERO, where)
     for key in ("contiguous_gradients", "reduce_scatter", "allgather_partitions"):
-        _insist(zero, key, True, "zero_optimization.")
-    out["stage"] = zero.get("stage", 0)
-    reduce_size = zero.get("reduce_bucket_size")
-    gather_size = zero.get("allgather_bucket_size")
+        _insist(zero, key, True, where)
+    out["stage"] = _integer(zero, "stage", where, 0)
+    reduce_size = _integer(zero, "reduce_bucket_size", where, minimum=1)
+    gather_size = _integer(zero, "allgather_bucket_size", where, minimum=1)
     if reduce_size is not None and gather_size is not None and reduce_size != gather_size:
         raise ConfigError(
             "zero_optimization.allgather_bucket_size: zeroservice uses one constant bucket "
@@ -97,23 +237,24 @@ def _zero(zero: dict[str, Any], out: dict[str, Any]) -> None:
         )
     size = reduce_size if reduce_size is not None else gather_size
     if size is not None:
-        out["bucket_elements"] = int(size)
+        out["bucket_elements"] = size
     if "overlap_comm" in zero:
-        out["overlap_comm"] = bool(zero["overlap_comm"])
+        out["overlap_comm"] = _flag(zero, "overlap_comm", where, True)
     # Both are per parameter in DeepSpeed and per unit here: the same budget, coarser grain.
-    if "stage3_max_live_parameters" in zero:
-        out["stage3_prefetch_elements"] = int(zero["stage3_max_live_parameters"])
-    if "stage3_param_persistence_threshold" in zero:
-        out["stage3_persistence_elements"] = int(zero["stage3_param_persistence_threshold"])
-    offload = zero.get("offload_optimizer")
-    if offload is not None:
-        _refuse_unknown(offload, {"device", "pin_memory"}, "zero_optimization.offload_optimizer.")
-        device = offload.get("device", "none")
+    live = _integer(zero, "stage3_max_live_parameters", where)
+    if live is not None:
+        out["stage3_prefetch_elements"] = live
+    persistence = _integer(zero, "stage3_param_persistence_threshold", where)
+    if persistence is not None:
+        out["stage3_persistence_elements"] = persistence
+    if zero.get("offload_optimizer") is not None:
+        offload = _section(zero, "offload_optimizer", where)
+        inner = f"{where}offload_optimizer."
+        _refuse_unknown(offload, {"device", "pin_memory"}, inner)
+        device = _text(offload, "device", inner, "none")
         if device not in ("cpu", "none"):
-            raise ConfigError(
-                f"zero_optimization.offload_optimizer.device={device!r}: only cpu (or none)"
-            )
-        _insist(offload, "pin_memory", True, "zero_optimization.offload_optimizer.")
+            raise ConfigError(f"{inner}device={device!r}: only cpu (or none)")
+        _insist(offload, "pin_memory", True, inner)
         out["offload_optimizer"] = device == "cpu"
     _zeropp(zero, out)
 
@@ -125,17 +266,14 @@ def _zeropp(zero: dict[str, Any], out: dict[str, Any]) -> None:
     cross-node bytes and makes qgZ go in two hops."""
     where, stage = "zero_optimization.", out["stage"]
     _insist(zero, "zero_quantized_nontrainable_weights", False, where)
-    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
-        if not isinstance(zero.get(key, False), bool):
-            raise ConfigError(f"{where}{key}={zero[key]!r}: must be true or false")
-    if zero.get("zero_quantized_weights", False):
+    if _flag(zero, "zero_quantized_weights", where, False):
         if stage != 3:
             raise ConfigError(
                 f"{where}zero_quantized_weights: needs stage 3 (weights are gathered only "
                 f"there); stage is {stage}"
             )
         out["quantized_weights"] = True
-    if zero.get("zero_quantized_gradients", False):
+    if _flag(zero, "zero_quantized_gradients", where, False):
         if stage < 1:
             raise ConfigError(
                 f"{where}zero_quantized_gradients: needs stage 1, 2 or 3 (stage 0 "
@@ -143,6 +281,7 @@ def _zeropp(zero: dict[str, Any], out: dict[str, Any]) -> None:
             )
         out["quantized_gradients"] = "int4"
     size = zero.get("zero_hpz_partition_size", 1)
+    _not_auto(size, f"{where}zero_hpz_partition_size")
     if not _is_int(size) or size < 1:
         raise ConfigError(f"{where}zero_hpz_partition_size={size!r}: must be an integer >= 1")
     if size > 1:
@@ -155,44 +294,46 @@ def _zeropp(zero: dict[str, Any], out: dict[str, Any]) -> None:
         out["ranks_per_node"] = size
 
 
-def _activations(section: dict[str, Any] | None, out: dict[str, Any]) -> None:
+def _activations(ds: dict[str, Any], out: dict[str, Any]) -> None:
     """DeepSpeed checkpoints what the model wraps itself; here the engine checkpoints
     every block, so the section turns checkpointing on."""
-    if section is None:
+    if ds.get("activation_checkpointing") is None:
         return
-    _refuse_unknown(section, _ACTIVATIONS, "activation_checkpointing.")
+    where = "activation_checkpointing."
+    section = _section(ds, "activation_checkpointing", "")
+    _refuse_unknown(section, _ACTIVATIONS, where)
     for key in ("number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
         if section.get(key) not in (None, False):
             raise ConfigError(
-                f"activation_checkpointing.{key}={section[key]!r}: not supported "
-                "(every block is checkpointed)"
+                f"{where}{key}={section[key]!r}: not supported (every block is checkpointed)"
             )
     out["activation_checkpointing"] = True
-    out["partition_activations"] = bool(section.get("partition_activations", False))
-    out["cpu_offload_activations"] = bool(section.get("cpu_checkpointing", False))
-    out["contiguous_activations"] = bool(section.get("contiguous_memory_optimization", True))
+    out["partition_activations"] = _flag(section, "partition_activations", where, False)
+    out["cpu_offload_activations"] = _flag(section, "cpu_checkpointing", where, False)
+    out["contiguous_activations"] = _flag(section, "contiguous_memory_optimization", where, True)
 
 
 def _precision(ds: dict[str, Any], out: dict[str, Any]) -> None:
-    bf16 = ds.get("bf16", {}).get("enabled", False)
-    fp16_section = ds.get("fp16", {})
-    _refuse_unknown(ds.get("bf16", {}), {"enabled"}, "bf16.")
+    bf16_section, fp16_section = _section(ds, "bf16", ""), _section(ds, "fp16", "")
+    _refuse_unknown(bf16_section, {"enabled"}, "bf16.")
     _refuse_unknown(fp16_section, _FP16, "fp16.")
-    fp16 = fp16_section.get("enabled", False)
+    bf16 = _flag(bf16_section, "enabled", "bf16.", False)
+    fp16 = _flag(fp16_section, "enabled", "fp16.", False)
     if bf16 and fp16:
         raise ConfigError("bf16.enabled, fp16.enabled: choose one")
     out["precision"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     if fp16:
         _insist(fp16_section, "auto_cast", False, "fp16.")
-        if fp16_section.get("loss_scale", 0) != 0:
+        if _real(fp16_section, "loss_scale", "fp16.", 0.0) != 0:
             raise ConfigError("fp16.loss_scale: only dynamic loss scaling (0) is supported")
+        power = _integer(fp16_section, "initial_scale_power", "fp16.", 16)
         out["loss_scale"] = LossScaleConfig(
-            initial_scale=2.0 ** fp16_section.get("initial_scale_power", 16),
-            growth_interval=fp16_section.get("loss_scale_window", 1000),
-            hysteresis=fp16_section.get("hysteresis", 2),
-            min_scale=fp16_section.get("min_loss_scale", 1),
+            initial_scale=2.0**power,
+            growth_interval=_integer(fp16_section, "loss_scale_window", "fp16.", 1000, 1),
+            hysteresis=_integer(fp16_section, "hysteresis", "fp16.", 2, 1),
+            min_scale=_real(fp16_section, "min_loss_scale", "fp16.", 1.0),
         )
-    comm_dtype = ds.get("communication_data_type")
+    comm_dtype = _text(ds, "communication_data_type", "")
     if comm_dtype is not None:
         if comm_dtype == "fp32":
             out["reduce_dtype"] = "fp32"
@@ -206,9 +347,9 @@ def _precision(ds: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def _batch(ds: dict[str, Any], out: dict[str, Any], world_size: int | None) -> None:
-    accum = ds.get("gradient_accumulation_steps")
-    micro = ds.get("train_micro_batch_size_per_gpu")
-    total = ds.get("train_batch_size")
+    accum = _integer(ds, "gradient_accumulation_steps", "", minimum=1)
+    micro = _integer(ds, "train_micro_batch_size_per_gpu", "", minimum=1)
+    total = _integer(ds, "train_batch_size", "", minimum=1)
     if total is not None and micro is not None and world_size is not None:
         per_step = micro * world_size
         if accum is None:
@@ -229,33 +370,49 @@ def _batch(ds: dict[str, Any], out: dict[str, Any], world_size: int | None) -> N
             "or gradient_accumulation_steps"
         )
     if accum is not None:
-        out["gradient_accumulation_steps"] = int(accum)
+        out["gradient_accumulation_steps"] = accum
     if micro is not None:
-        out["train_micro_batch_size"] = int(micro)
+        out["train_micro_batch_size"] = micro
 
 
-def _optimizer(section: dict[str, Any] | None) -> OptimizerFactory | None:
-    if section is None:
+_ADAM = {"lr", "betas", "eps", "weight_decay", "amsgrad"}
+_SGD = {"lr", "momentum", "weight_decay", "nesterov", "dampening"}
+
+
+def _optimizer(ds: dict[str, Any]) -> OptimizerFactory | None:
+    if ds.get("optimizer") is None:
         return None
+    section = _section(ds, "optimizer", "")
     _refuse_unknown(section, {"type", "params"}, "optimizer.")
-    kind = str(section.get("type", "")).lower()
-    params = dict(section.get("params", {}))
+    kind = (_text(section, "type", "optimizer.", "") or "").lower()
+    where = "optimizer.params."
+    raw = _section(section, "params", "optimizer.")
     if kind in ("adam", "adamw"):
         # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false.
-        decoupled = params.pop("adam_w_mode", True) if kind == "adam" else True
-        params.pop("torch_adam", None)
-        adam_keys = {"lr", "betas", "eps", "weight_decay", "amsgrad"}
-        _refuse_unknown(params, adam_keys, "optimizer.params.")
+        decoupled = _flag(raw, "adam_w_mode", where, True) if kind == "adam" else True
+        _flag(raw, "torch_adam", where, False)
+        allowed = _ADAM | ({"adam_w_mode", "torch_adam"} if kind == "adam" else {"torch_adam"})
+        _refuse_unknown(raw, allowed, where)
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW if decoupled else torch.optim.Adam
+        keys = _ADAM
     elif kind == "sgd":
-        _refuse_unknown(
-            params, {"lr", "momentum", "weight_decay", "nesterov", "dampening"}, "optimizer.params."
-        )
-        cls = torch.optim.SGD
+        _refuse_unknown(raw, _SGD, where)
+        cls, keys = torch.optim.SGD, _SGD
     else:
         raise ConfigError(f"optimizer.type={section.get('type')!r}: supported are Adam, AdamW, SGD")
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
+    params: dict[str, Any] = {}
+    for key in sorted(keys & set(raw)):
+        if key in ("amsgrad", "nesterov"):
+            params[key] = _flag(raw, key, where, False)
+        elif key == "betas":
+            betas = raw["betas"]
+            _not_auto(betas, f"{where}betas")
+            ok = isinstance(betas, list | tuple) and len(betas) == 2
+            if not ok or not all(_real({"b": b}, "b", "") is not None and b < 1 for b in betas):
+                raise ConfigError(f"{where}betas={betas!r}: must be two numbers in [0, 1)")
+            params["betas"] = tuple(float(b) for b in betas)
+        else:
+            params[key] = _real(raw, key, where)
 
     def factory(shards):
         return cls(shards, **params)
@@ -267,18 +424,22 @@ DEEPSPEED_WARMUP_STEPS = 1000
 """``warmup_num_steps`` when a DeepSpeed scheduler leaves it out (both schedulers)."""
 
 
-def _scheduler(section: dict[str, Any] | None, out: dict[str, Any]) -> None:
-    if section is None:
+def _scheduler(ds: dict[str, Any], out: dict[str, Any]) -> None:
+    if ds.get("scheduler") is None:
         return
+    section = _section(ds, "scheduler", "")
     _refuse_unknown(section, {"type", "params"}, "scheduler.")
-    kind, p = section.get("type"), dict(section.get("params", {}))
+    kind = _text(section, "type", "scheduler.")
+    where = "scheduler.params."
+    p = _section(section, "params", "scheduler.")
     if kind not in ("WarmupCosineLR", "WarmupLR"):
         raise ConfigError(
             f"scheduler.type={kind!r}: supported are WarmupCosineLR and WarmupLR "
             "(learning rates come from the optimizer section)"
         )
-    warmup = p.pop("warmup_type", None)
-    if warmup is None and p.get("warmup_num_steps", DEEPSPEED_WARMUP_STEPS):
+    warmup = _text(p, "warmup_type", where)
+    steps = _integer(p, "warmup_num_steps", where, DEEPSPEED_WARMUP_STEPS)
+    if warmup is None and steps:
         raise ConfigError(
             "scheduler.params.warmup_type: unset means DeepSpeed's default, 'log', which "
             "is not supported; set 'linear' (lr_schedule warms up linearly)"
@@ -288,36 +449,42 @@ def _scheduler(section: dict[str, Any] | None, out: dict[str, Any]) -> None:
     if kind == "WarmupCosineLR":
         if "total_num_steps" not in p:
             raise ConfigError("scheduler.params.total_num_steps: WarmupCosineLR needs it")
-        _refuse_unknown(
-            p,
-            {"total_num_steps", "warmup_num_steps", "warmup_min_ratio", "cos_min_ratio"},
-            "scheduler.params.",
-        )
+        allowed = {"total_num_steps", "warmup_num_steps", "warmup_min_ratio", "cos_min_ratio"}
+        _refuse_unknown(p, allowed | {"warmup_type"}, where)
         out["lr_schedule"] = ScheduleConfig(
             kind="cosine",
-            warmup_steps=p.get("warmup_num_steps", DEEPSPEED_WARMUP_STEPS),
-            total_steps=p["total_num_steps"],
-            min_ratio=p.get("cos_min_ratio", 0.0001),
-            warmup_start_ratio=p.get("warmup_min_ratio", 0.0),
+            warmup_steps=steps,
+            total_steps=_integer(p, "total_num_steps", where, minimum=1),
+            min_ratio=_real(p, "cos_min_ratio", where, 0.0001),
+            warmup_start_ratio=_real(p, "warmup_min_ratio", where, 0.0),
         )
     else:
-        _refuse_unknown(p, {"warmup_num_steps"}, "scheduler.params.")
-        out["lr_schedule"] = ScheduleConfig(
-            warmup_steps=p.get("warmup_num_steps", DEEPSPEED_WARMUP_STEPS)
-        )
+        _refuse_unknown(p, {"warmup_num_steps", "warmup_type"}, where)
+        out["lr_schedule"] = ScheduleConfig(warmup_steps=steps)
 
 
 def from_deepspeed(ds: dict[str, Any], world_size: int | None = None) -> DeepSpeedSettings:
     """Translate a DeepSpeed config dict; ``world_size`` checks ``train_batch_size``."""
     if not isinstance(ds, dict):
         raise ConfigError(f"DeepSpeed config: expected a dict, got {type(ds).__name__}")
-    _refuse_unknown(ds, _TOP, "")
+    _refuse_unknown(ds, _TOP | {k for k in WITHOUT_EFFECT if "." not in k}, "")
+    zero = _section(ds, "zero_optimization", "")
+    without_effect = _without_effect(ds, zero)
+    zero = {k: v for k, v in zero.items() if f"zero_optimization.{k}" not in WITHOUT_EFFECT}
     out: dict[str, Any] = {}
-    _zero(ds.get("zero_optimization", {}), out)
+    _zero(zero, out)
     _precision(ds, out)
     _batch(ds, out, world_size)
-    if "gradient_clipping" in ds:
-        out["gradient_clipping"] = float(ds["gradient_clipping"])
-    _scheduler(ds.get("scheduler"), out)
-    _activations(ds.get("activation_checkpointing"), out)
-    return DeepSpeedSettings(ZeroConfig(**out), _optimizer(ds.get("optimizer")))
+    clipping = _real(ds, "gradient_clipping", "")
+    if clipping is not None:
+        out["gradient_clipping"] = clipping
+    _scheduler(ds, out)
+    _activations(ds, out)
+    settings = DeepSpeedSettings(ZeroConfig(**out), _optimizer(ds), without_effect)
+    if without_effect:
+        warnings.warn(
+            "DeepSpeed config: accepted without effect here: "
+            + "; ".join(f"{k} ({why})" for k, why in without_effect.items()),
+            stacklevel=2,
+        )
+    return settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -207,7 +208,7 @@ def test_deepspeed_fp16_section():
         ),
         ({"activation_checkpointing": {"number_checkpoints": 4}}, "number_checkpoints"),
         ({"activation_checkpointing": {"foo": 1}}, "activation_checkpointing.foo"),
-        ({"steps_per_print": 10}, "steps_per_print"),
+        ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
         ({"zero_optimization": {"reduce_scatter": False}}, "zero_optimization.reduce_scatter"),
         ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),
         ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
@@ -215,13 +216,95 @@ def test_deepspeed_fp16_section():
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled"),
         ({"zero_optimization": {"stage": 4}}, "stage"),
-        ({"zero_optimization": {"stage3_prefetch_bucket_size": 5}}, "stage3_prefetch_bucket_size"),
+        ({"zero_optimization": {"stage3_foo": 5}}, "zero_optimization.stage3_foo"),
         ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size"),
     ],
 )
 def test_deepspeed_unsupported_keys_are_refused_by_name(ds, name):
     with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
         from_deepspeed(ds, world_size=2 if "train_batch_size" not in ds else None)
+
+
+@pytest.mark.parametrize(
+    "ds,name",
+    [
+        ({"train_batch_size": "auto"}, "train_batch_size"),
+        ({"gradient_clipping": "auto"}, "gradient_clipping"),
+        ({"bf16": {"enabled": "auto"}}, "bf16.enabled"),
+        (
+            {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
+            "zero_optimization.reduce_bucket_size",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}},
+            "zero_optimization.stage3_prefetch_bucket_size",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": "auto"}}}, "optimizer.params.betas"),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}},
+            "scheduler.params.warmup_num_steps",
+        ),
+    ],
+)
+def test_deepspeed_auto_values_are_refused_saying_who_fills_them_in(ds, name):
+    """The Hugging Face Trainer replaces "auto" before DeepSpeed reads the config; read as
+    it is, "auto" was a truthy bf16.enabled (bf16 without a word) or a ValueError."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(name)}='auto': 'auto' is filled in by"):
+        from_deepspeed(ds)
+
+
+@pytest.mark.parametrize(
+    "ds,message",
+    [
+        ({"zero_optimization": [2]}, "zero_optimization: expected an object, got list"),
+        ({"zero_optimization": {"stage": 2.5}}, "zero_optimization.stage=2.5: must be an integer"),
+        (
+            {"zero_optimization": {"stage": True}},
+            "zero_optimization.stage=True: must be an integer",
+        ),
+        ({"zero_optimization": {"overlap_comm": 1}}, "zero_optimization.overlap_comm=1: must be"),
+        ({"gradient_clipping": "1.0"}, "gradient_clipping='1.0': must be a finite number"),
+        ({"gradient_clipping": -1}, "gradient_clipping=-1: must be a finite number >= 0"),
+        ({"fp16": {"enabled": "true"}}, "fp16.enabled='true': must be true or false"),
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu=0: must be"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.2]}}},
+            r"optimizer.params.betas=\[0.9, 1.2\]: must be two numbers in \[0, 1\)",
+        ),
+        ({"optimizer": {"type": "SGD", "params": {"nesterov": "yes"}}}, "nesterov='yes'"),
+        ({"activation_checkpointing": {"cpu_checkpointing": 1}}, "cpu_checkpointing=1: must"),
+        ({"zero_optimization": {"sub_group_size": "big"}}, "sub_group_size='big': must be"),
+    ],
+)
+def test_deepspeed_values_of_the_wrong_type_are_refused_by_key(ds, message):
+    with pytest.raises(ConfigError, match=message):
+        from_deepspeed(ds)
+
+
+def test_deepspeed_keys_without_effect_are_accepted_listed_and_warned():
+    """A sample ZeRO-3 config from DeepSpeed's documentation: the keys that change only
+    DeepSpeed's logging or memory and time trade-offs are accepted, listed with why,
+    and the config is what it is without them."""
+    zero = {"stage": 3, "overlap_comm": True, "stage3_max_live_parameters": 1e9}
+    extra = {
+        "sub_group_size": 1e9,
+        "stage3_prefetch_bucket_size": 5e8,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "round_robin_gradients": False,
+    }
+    sample = {"zero_optimization": {**zero, **extra}, "steps_per_print": 2000}
+    sample["wall_clock_breakdown"] = False
+    with pytest.warns(UserWarning, match="accepted without effect here: steps_per_print"):
+        settings = from_deepspeed(sample)
+    assert set(settings.without_effect) == {
+        "steps_per_print",
+        "wall_clock_breakdown",
+        *(f"zero_optimization.{k}" for k in extra),
+    }
+    assert all(settings.without_effect.values())
+    assert settings.config == from_deepspeed({"zero_optimization": zero}).config
 
 
 def test_deepspeed_batch_size_inconsistent_with_world():
