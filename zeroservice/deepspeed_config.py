@@ -175,10 +175,15 @@ def _real(
         return default
     value = section[key]
     _not_auto(value, f"{where}{key}")
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value < 0:
+    if not _is_real(value) or value < 0:
         raise ConfigError(f"{where}{key}={value!r}: must be a finite number >= 0")
     return float(value)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value)
 
 
 def _text(section: dict[str, Any], key: str, where: str, default: str | None = None) -> str | None:
@@ -408,7 +413,7 @@ def _optimizer(ds: dict[str, Any]) -> OptimizerFactory | None:
             betas = raw["betas"]
             _not_auto(betas, f"{where}betas")
             ok = isinstance(betas, list | tuple) and len(betas) == 2
-            if not ok or not all(_real({"b": b}, "b", "") is not None and b < 1 for b in betas):
+            if not ok or not all(_is_real(b) and 0 <= b < 1 for b in betas):
                 raise ConfigError(f"{where}betas={betas!r}: must be two numbers in [0, 1)")
             params["betas"] = tuple(float(b) for b in betas)
         else:
