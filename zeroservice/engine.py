@@ -41,6 +41,7 @@ from .memory import (
 from .naming import some_names
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
 from .placeholder_state import guard_placeholders, reading_own_state
+from .planned_params import PlannedParameters
 from .precision import DynamicLossScaler, check_param_dtypes, param_dtype, reduce_dtype
 from .quantize import BITS
 from .reduce import GradReducer
@@ -49,7 +50,6 @@ from .schedule import lr_factor
 from .stages import policy_for
 from .state import StateCell, TrainingState
 from .tensor_parallel import MPGroup, is_mp_sharded, mp_groups_of, mp_split
-from .trainable_set import TrainableSet
 from .units import plan_layout
 from .zeropp import NodeGroups, Scratch, Secondary, build_node_groups, node_of
 
@@ -302,9 +302,6 @@ class Engine:
         )
         """Trainable parameters a forward changes in place, refused before its backward
         (see [Note: a forward that writes its weights] in forward_writes.py)."""
-        self._trainable = TrainableSet(module)
-        """requires_grad as planned, checked at every training forward (see [Note: the
-        trainable set] in trainable_set.py)."""
         self.activations: CheckpointStore | None = None
         self._checkpointer: ActivationCheckpointer | None = None
         if config.activation_checkpointing:
@@ -351,12 +348,15 @@ class Engine:
         self._forward_stops = stop_forwards(module, self._interrupt)
         """An interrupted forward ends at the next module (see [Note: a forward given up]
         in interrupt.py)."""
+        self._planned = PlannedParameters(module, fixed_storage=not self.policy.partitions_params)
+        """The parameters as planned, checked at every training forward (see [Note:
+        parameters the engine holds] in planned_params.py)."""
 
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._require_state("forward")
         if torch.is_grad_enabled():
-            self._trainable.check()
+            self._planned.check()
             self.host_trim()  # what the last step freed: see [Note: host heap trimming]
         if self.config.broadcast_buffers:
             self._broadcast_buffers()

@@ -1,9 +1,19 @@
-"""Which parameters train is fixed at initialize (see [Note: the trainable set] in
-trainable_set.py): a requires_grad flipped afterwards is refused by name at the next
-training forward, before anything runs, where it used to go on training a parameter
-frozen since and leave one unfrozen since as it was. A checkpoint loads into an engine
-with more frozen; one whose parameter was frozen at the save is refused by name where
-that parameter is trainable now."""
+"""The parameters as initialize planned them (see planned_params.py).
+
+Which parameters train is fixed at initialize ([Note: the trainable set]): a
+requires_grad flipped afterwards is refused by name at the next training forward,
+before anything runs, where it used to go on training a parameter frozen since and
+leave one unfrozen since as it was. A checkpoint loads into an engine with more frozen;
+one whose parameter was frozen at the save is refused by name where that parameter is
+trainable now.
+
+A parameter cut off from the engine's buffers ([Note: parameters the engine holds]): a
+module converted after initialize (``.bfloat16()``, ``.double()``), a new
+``nn.Parameter`` assigned, ``param.data`` re-pointed. Each used to train on with weights
+the optimizer never updated (stages 0-2: the losses stopped improving, every step
+reported success); each is refused by name before the forward runs, and the engine
+trains on once the module is put back.
+"""
 
 from __future__ import annotations
 
@@ -160,3 +170,57 @@ def _frozen_for_evaluation() -> bool:
 def test_flags_are_not_read_outside_training_forwards():
     """An evaluation under torch.no_grad with every parameter frozen is not refused."""
     assert all(run_local(_frozen_for_evaluation, 2, timeout_s=120))
+
+
+def _cut_off(how: str, stage: int) -> dict:
+    engine = _engine(stage)
+    head = engine.module.head
+    _train(engine, 0)
+    launched = engine.comm_ledger().launched
+    weight, data = head.weight, head.weight.data
+    if how == "converted":
+        engine.module.double()
+    elif how == "replaced":
+        head.weight = nn.Parameter(weight.detach().clone())
+    else:  # re-pointed
+        weight.data = weight.detach().clone()
+    try:
+        x = _batch(1)[0]
+        engine(x.to(next(engine.module.parameters()).dtype))
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    nothing_ran = engine.micro_steps == 0 and engine.comm_ledger().launched == launched
+    restored = None
+    if how != "converted":  # put back as initialize left it, the engine trains on
+        if how == "replaced":
+            head.weight = weight
+        else:
+            weight.data = data
+        restored = _train(engine, 1)
+    engine.close()
+    return {"refused": refused, "nothing_ran": nothing_ran, "restored": restored}
+
+
+def _cut_offs() -> dict:
+    return {
+        (how, stage): _cut_off(how, stage)
+        for stage in STAGES
+        for how in ("converted", "replaced", "re-pointed")
+        if not (how == "re-pointed" and stage == 3)  # stage 3 re-points them itself
+    }
+
+
+def test_a_parameter_cut_off_from_the_engine_is_refused_before_the_forward_runs():
+    out = run_local(_cut_offs, 2, timeout_s=300)[0]
+    said = {
+        "converted": "torch.float64 on cpu, was torch.float32 on cpu",
+        "replaced": "head.weight replaced after initialize by another parameter",
+        "re-pointed": "head.weight no longer view the engine's buffers",
+    }
+    for (how, stage), r in out.items():
+        assert r["refused"] is not None, (how, stage)
+        assert said[how] in r["refused"], (how, stage, r["refused"])
+        assert r["nothing_ran"], (how, stage)
+        if how != "converted":
+            assert r["restored"] is not None, (how, stage)

@@ -1,0 +1,127 @@
+"""The parameters as ``initialize`` planned them: the same objects, trainable or frozen,
+in the same dtype and place. A change made later is refused by name at the next
+training forward, before it runs.
+
+[Note: the trainable set]
+At ``initialize`` the engine plans which parameters train: each gets a place in a
+trainable unit with a gradient buffer, an fp32 master and optimizer state; a frozen
+one gets a unit of its own with none of them (see "Frozen parameters" in
+docs/configuration.md). A flag flipped afterwards would be ignored without a word: a
+parameter frozen since keeps its master and optimizer state, and the step goes on
+moving it (momentum, weight decay, a zero gradient), while one unfrozen since has
+nothing to train it with and stays as it was. A checkpoint loads into an engine built
+over the model with more of it frozen; a parameter unfrozen since has no optimizer
+state in a checkpoint, and the loader says so (checkpoint/load.py).
+
+[Note: parameters the engine holds]
+The engine holds the weights in its flat buffers: at stages 0-2 every parameter is a
+view of one, at stage 3 a placeholder the gatherer fills. Three things cut a parameter
+off from them without an error anywhere: a new ``nn.Parameter`` assigned to the module
+(``model.head.weight = nn.Parameter(...)``), a conversion of the module
+(``.bfloat16()``, ``.double()``, ``.to(device)``: torch gives each parameter a converted
+copy), and ``param.data = tensor``. The model would then compute with weights the
+optimizer never updates: the losses stop improving while every step reports success.
+So each training forward checks that every module still holds the parameter object it
+held at ``initialize``, in the same dtype and on the same device, and at stages 0-2
+still viewing the engine's buffer at the same place. A forward under
+``torch.no_grad()`` (an evaluation) is not checked.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .naming import some_names
+
+_HINT = (
+    "Change the model before initialize (its dtype through precision='bf16'/'fp16', its "
+    "device by moving it first), or load weights with engine.load_checkpoint or "
+    "initialize(..., init=<file>)"
+)
+
+
+class PlannedParameters:
+    """Every parameter as ``initialize`` left it: its owners, flag, dtype, device and
+    (at stages 0-2, ``fixed_storage``) the address of its data."""
+
+    def __init__(self, module: nn.Module, fixed_storage: bool):
+        self._slots = [
+            (owner, attr, param, f"{prefix}.{attr}" if prefix else attr)
+            for prefix, owner in module.named_modules(remove_duplicate=False)
+            for attr, param in owner._parameters.items()
+            if param is not None
+        ]
+        named = list(module.named_parameters())
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._flags = [p.requires_grad for p in self._params]
+        self._kinds = [(p.dtype, p.device) for p in self._params]
+        self._fixed_storage = fixed_storage
+        self._addresses = [p.data_ptr() for p in self._params] if fixed_storage else []
+
+    def check(self) -> None:
+        """Raise if a parameter was replaced, converted, re-pointed or (un)frozen."""
+        replaced = [
+            name for owner, attr, p, name in self._slots if owner._parameters.get(attr) is not p
+        ]
+        if replaced:
+            raise RuntimeError(
+                f"forward: {some_names(sorted(set(replaced)), 5)} replaced after initialize "
+                "by another parameter (a new nn.Parameter assigned to the module): the "
+                "engine trains the parameters it was given, and the new one would never "
+                f"be updated. {_HINT}"
+            )
+        self._check_kinds()
+        self._check_flags()
+
+    def _check_kinds(self) -> None:
+        kinds = [(p.dtype, p.device) for p in self._params]
+        moved = [
+            i for i, (was, now) in enumerate(zip(self._kinds, kinds, strict=True)) if was != now
+        ]
+        if moved:
+            i = moved[0]
+            (dtype, device), (was_dtype, was_device) = kinds[i], self._kinds[i]
+            raise RuntimeError(
+                f"forward: {some_names([self._names[j] for j in moved], 5)} converted after "
+                f"initialize ({self._names[i]} is {dtype} on {device}, was {was_dtype} on "
+                f"{was_device}: module.to(), .half(), .bfloat16(), .cuda()): the engine's "
+                "buffers hold the weights, and a converted copy would never be updated. "
+                f"{_HINT}"
+            )
+        if self._fixed_storage:
+            cut = [
+                name
+                for name, p, address in zip(self._names, self._params, self._addresses, strict=True)
+                if p.data_ptr() != address
+            ]
+            if cut:
+                raise RuntimeError(
+                    f"forward: {some_names(cut, 5)} no longer view the engine's buffers "
+                    "(param.data assigned, or the module's storage moved, after "
+                    "initialize): the model would compute with weights the optimizer never "
+                    f"updates. {_HINT}"
+                )
+
+    def _check_flags(self) -> None:
+        flags = [p.requires_grad for p in self._params]
+        if flags == self._flags:
+            return
+        pairs = list(zip(self._names, self._flags, flags, strict=True))
+        frozen = [n for n, was, now in pairs if was and not now]
+        unfrozen = [n for n, was, now in pairs if now and not was]
+        changed = []
+        if frozen:
+            changed.append(f"frozen since: {some_names(frozen, 5)}")
+        if unfrozen:
+            changed.append(f"unfrozen since: {some_names(unfrozen, 5)}")
+        raise RuntimeError(
+            f"forward: requires_grad changed after initialize ({'; '.join(changed)}). "
+            "The engine fixed at initialize which parameters train (gradient buffers, "
+            "fp32 masters, optimizer state): it would go on stepping a parameter frozen "
+            "since, and leave one unfrozen since as it was. Restore the flags, or save a "
+            "checkpoint and build a new engine over the model with its new flags (a "
+            "checkpoint loads where more is frozen; for a parameter unfrozen since it "
+            "holds no optimizer state, so start that engine with init=<the weights from "
+            "`zeroservice checkpoint export`>)"
+        )
