@@ -12,7 +12,7 @@ from tests.engine import harness
 from tests.engine.scenarios import Spec, _batches, engine_for
 from zeroservice import deferred_init as zeroservice_deferred
 from zeroservice import initialize as zeroservice_initialize
-from zeroservice.checkpoint import CheckpointError, save
+from zeroservice.checkpoint import CheckpointError, CheckpointMismatch, save
 
 
 def _train(engine, spec: Spec, steps: range) -> list[float]:
@@ -212,3 +212,46 @@ def save_on_a_full_disk(spec: Spec, root: str, steps: int, full_at: int, where: 
         dist.barrier()
         listings.append(sorted(p.relative_to(root).as_posix() for p in Path(root).rglob("*")))
     return {"outcomes": outcomes, "listings": listings, "synced": synced}
+
+
+class _Positions(torch.nn.Module):
+    """A linear layer beside a persistent buffer sized by ``max_len``."""
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.register_buffer("table", torch.arange(max_len, dtype=torch.float32)[:, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.table[: x.shape[0]]
+
+
+def buffer_of_another_shape(root: str, stage: int) -> dict:
+    """Saved with a 16-row buffer, loaded into a model whose buffer has 32: refused
+    before anything is written."""
+
+    def engine(max_len: int, seed: int):
+        torch.manual_seed(seed)
+        model = _Positions(max_len)
+        return zeroservice_initialize(
+            model, {"stage": stage}, lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+        )
+
+    saved = engine(16, 0)
+    loss = saved(torch.randn(4, 8)).square().mean()
+    saved.backward(loss)
+    saved.step()
+    saved.save_checkpoint(root)
+    saved.wait_for_save()
+    saved.close()
+    other = engine(32, 1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    try:
+        other.load_checkpoint(root)
+        message = "loaded"
+    except CheckpointMismatch as e:
+        message = f"CheckpointMismatch: {e}"
+    after = other.state_dict()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    other.close()
+    return {"message": message, "unchanged": unchanged}

@@ -106,6 +106,15 @@ def test_a_checkpoint_of_another_model_is_refused_without_fallback(three_saves):
     assert f"no entry for parameter {renamed}" in message
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_buffer_of_another_shape_is_refused_before_anything_is_written(tmp_path, stage):
+    """It was a RuntimeError from a view, after the masters had been written."""
+    r = run_local(sc.buffer_of_another_shape, 2, str(tmp_path), stage)[0]
+    assert r["message"].startswith("CheckpointMismatch"), r
+    assert "buffer table is (16, 1) in the checkpoint and (32, 1) in this model" in r["message"]
+    assert r["unchanged"], r
+
+
 def test_a_tied_checkpoint_loads_into_an_untied_model(three_saves):
     root, _ = three_saves
     assert run_local(sc.try_load, 2, Spec(stage=2, tie=False), str(root))[0] == "loaded"

@@ -88,10 +88,20 @@ class _Plan:
                     )
                 self._cover(piece, kind, segs, saved["name"])
         self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        shapes = {b["name"]: b.get("shape") for b in manifest.get("buffers", [])}
         for name, buffer in persistent_buffers(state.module):
             segs = index.get((name, "buffer"), [])
             if not segs:
                 raise CheckpointMismatch(f"{source}: no entry for buffer {name}")
+            shape = shapes.get(name)
+            if segs[0]["end"] != buffer.numel() or (
+                shape is not None and tuple(shape) != tuple(buffer.shape)
+            ):
+                was = tuple(shape) if shape is not None else f"{segs[0]['end']} elements"
+                raise CheckpointMismatch(
+                    f"{source}: buffer {name} is {was} in the checkpoint and "
+                    f"{tuple(buffer.shape)} in this model"
+                )
             self.buffers.append((buffer, segs[0]))
             self.files.add(segs[0]["file"])
 
