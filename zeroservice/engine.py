@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -655,6 +656,13 @@ class Engine:
 
         result = load_checkpoint(self._sharded_state(), self._slice_root(path, must_exist=True))
         self._restore(result.counters)
+        if result.hyperparameters:
+            warnings.warn(
+                f"load_checkpoint: the optimizer factory's hyperparameters apply; the "
+                f"checkpoint's differ: {'; '.join(result.hyperparameters)} (see [Note: "
+                "hyperparameters on load] in checkpoint/load.py)",
+                stacklevel=2,
+            )
         if self.mp_size > 1:
             # Each MP slice falls back on its own; they must have landed on one step.
             steps: list[int | None] = [None] * self.mp_size
@@ -749,6 +757,7 @@ class Engine:
             group=self.group,
             counters=counters,
             pending_micro_steps=self.micro_steps,
+            base_lrs=list(self.optimizer.base_lrs),
             description={
                 "mp": self.mp_size,
                 "mp_rank": self.mp_rank,

@@ -255,3 +255,44 @@ def buffer_of_another_shape(root: str, stage: int) -> dict:
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     other.close()
     return {"message": message, "unchanged": unchanged}
+
+
+def changed_hyperparameters(root: str, stage: int) -> dict:
+    """Saved under AdamW(lr 1e-2, weight decay 0.1, betas (0.9, 0.999)); loaded by the
+    same factory and by one with other hyperparameters (see [Note: hyperparameters on
+    load] in zeroservice/checkpoint/load.py)."""
+    import warnings
+
+    def engine(lr: float, wd: float, betas: tuple[float, float]):
+        torch.manual_seed(0)
+        model = _Positions(16)
+        return zeroservice_initialize(
+            model,
+            {"stage": stage},
+            lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd, betas=betas),
+        )
+
+    def step(e) -> None:
+        loss = e(torch.randn(4, 8)).square().mean()
+        e.backward(loss)
+        e.step()
+
+    saved = engine(1e-2, 0.1, (0.9, 0.999))
+    step(saved)
+    saved.save_checkpoint(root)
+    saved.wait_for_save()
+    saved.close()
+    out = {}
+    for name, hyper in (("same", (1e-2, 0.1, (0.9, 0.999))), ("changed", (1e-4, 0.0, (0.8, 0.99)))):
+        e = engine(*hyper)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            e.load_checkpoint(root)
+        step(e)
+        group = e.optimizer.optimizer.param_groups[0]
+        out[name] = {
+            "warnings": [str(w.message) for w in caught],
+            "applied": (group["lr"], group["weight_decay"], tuple(group["betas"])),
+        }
+        e.close()
+    return out

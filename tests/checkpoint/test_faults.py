@@ -115,6 +115,26 @@ def test_a_buffer_of_another_shape_is_refused_before_anything_is_written(tmp_pat
     assert r["unchanged"], r
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_factorys_hyperparameters_apply_after_a_load_and_differences_are_warned(
+    tmp_path, stage
+):
+    """They used to apply half: the factory's lr (the engine sets the rate from it each
+    step) beside the checkpoint's weight decay and betas, without a word."""
+    out = run_local(sc.changed_hyperparameters, 2, str(tmp_path), stage)[0]
+    assert out["same"]["warnings"] == []
+    assert out["same"]["applied"] == (1e-2, 0.1, (0.9, 0.999))
+    assert out["changed"]["applied"] == (1e-4, 0.0, (0.8, 0.99))
+    (message,) = out["changed"]["warnings"]
+    assert message.startswith("load_checkpoint: the optimizer factory's hyperparameters apply")
+    for said in (
+        "group 0 betas: (0.8, 0.99) here, (0.9, 0.999) in the checkpoint",
+        "group 0 weight_decay: 0.0 here, 0.1 in the checkpoint",
+        "group 0 lr: 0.0001 here, 0.01 in the checkpoint",
+    ):
+        assert said in message, message
+
+
 def test_a_tied_checkpoint_loads_into_an_untied_model(three_saves):
     root, _ = three_saves
     assert run_local(sc.try_load, 2, Spec(stage=2, tie=False), str(root))[0] == "loaded"

@@ -45,6 +45,9 @@ class LoadResult:
     """The engine's step counters at the save: the engine applies them."""
     skipped: list[tuple[Location, str]] = field(default_factory=list)
     """Newer checkpoints passed over, and why."""
+    hyperparameters: list[str] = field(default_factory=list)
+    """Where the checkpoint's optimizer hyperparameters differ from this engine's, which
+    apply (see [Note: hyperparameters on load])."""
 
 
 Read = tuple[dict[str, Any], int, int, int]
@@ -215,6 +218,7 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
                 manifest["client_state"],
                 saved_counters(manifest),
                 skipped,
+                hyperparameter_differences(state, manifest, state.base_lrs),
             )
         if reader is not None:
             reader.close()
@@ -244,13 +248,39 @@ def _check_optimizer(state: ShardedState, manifest: dict[str, Any], source: Loca
         )
 
 
-def _restore_group_hyperparameters(state: ShardedState, manifest: dict[str, Any]) -> None:
-    """Each group's saved scalars (lr, weight_decay, betas...) over the factory's."""
+_NOT_HYPERPARAMETERS = {"lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"}
+"""Group entries that are no training hyperparameter to compare: the rate (the schedule
+moves it; its base is compared apart) and how torch computes the update."""
+
+
+def hyperparameter_differences(
+    state: ShardedState, manifest: dict[str, Any], base_lrs: list[float]
+) -> list[str]:
+    """Where the checkpoint's group hyperparameters differ from this engine's factory's.
+
+    [Note: hyperparameters on load]
+    A checkpoint restores the training state: masters, optimizer states, counters, the
+    schedule's position. The hyperparameters (each group's base lr, weight decay, betas,
+    eps, momentum) are the optimizer factory's, the one place they are set: the engine
+    refuses a rate changed on the inner optimizer later. Restoring the saved ones would
+    leave no way to resume with new ones, and the rate was not restored anyway (the
+    engine sets it each step from the factory's base), so a changed factory trained
+    with its new lr and the old weight decay. Where they differ the engine warns and
+    names each difference; an exact resume passes the same factory and sees none."""
     saved = manifest.get("optimizer", {}).get("param_groups") or []
-    for group, values in zip(state.optimizer.param_groups, saved, strict=False):
-        for key, value in values.items():
-            if key in group:
-                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    saved_bases = manifest.get("optimizer", {}).get("base_lrs")
+    out = []
+    for i, (group, values) in enumerate(zip(state.optimizer.param_groups, saved, strict=False)):
+        for key, value in sorted(values.items()):
+            if key in _NOT_HYPERPARAMETERS or key not in group:
+                continue
+            ours = group[key]
+            theirs = tuple(value) if isinstance(ours, tuple) else value
+            if ours != theirs:
+                out.append(f"group {i} {key}: {ours!r} here, {theirs!r} in the checkpoint")
+        if saved_bases is not None and i < len(saved_bases) and saved_bases[i] != base_lrs[i]:
+            out.append(f"group {i} lr: {base_lrs[i]!r} here, {saved_bases[i]!r} in the checkpoint")
+    return out
 
 
 def zero_masters(state: ShardedState) -> None:
@@ -267,7 +297,6 @@ def _apply(state: ShardedState, plan: _Plan, reader: Reader, zeroed: bool = Fals
     if not zeroed:
         zero_masters(state)
     plan.run(reader, apply=state)
-    _restore_group_hyperparameters(state, plan.manifest)
     scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
     for master in state.masters:
         per_param = state.optimizer.state[master]

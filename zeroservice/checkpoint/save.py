@@ -262,7 +262,12 @@ def manifest_header(state: ShardedState, kinds, scalars, client_state) -> dict[s
             for n, b in persistent_buffers(state.module)
         ],
         "kinds": ["master", *kinds],
-        "optimizer": {"class": type(opt).__name__, "scalars": scalars, "param_groups": groups},
+        "optimizer": {
+            "class": type(opt).__name__,
+            "scalars": scalars,
+            "param_groups": groups,
+            "base_lrs": list(state.base_lrs),
+        },
         "engine": asdict(state.counters),
         "client_state": client_state or {},
     }

@@ -50,3 +50,5 @@ class ShardedState:
     """Micro-batches accumulated since the last step: a save or load needs none."""
     description: dict[str, Any] = field(default_factory=dict)
     """Manifest fields about the run (stage, precision, mp, mp_rank, psi)."""
+    base_lrs: list[float] = field(default_factory=list)
+    """Each optimizer group's base rate, the factory's (the schedule multiplies it)."""
