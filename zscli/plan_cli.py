@@ -73,7 +73,13 @@ def _parse(value: str, units: dict[str, int], what: str) -> int:
     amount = Decimal(match.group(1)) * units[match.group(2).lower()]
     if amount != amount.to_integral_value() or amount < 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    if amount > _LARGEST:
+        raise argparse.ArgumentTypeError(f"{value!r} is too large (at most {_LARGEST:.3g})")
     return int(amount)
+
+
+_LARGEST = 2**63 - 1
+"""The largest count or size taken: a signed 64-bit integer, as every byte count here."""
 
 
 def _count(value: str) -> int:

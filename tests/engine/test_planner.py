@@ -487,3 +487,17 @@ def test_cli_unparsable_number_exits_2(capsys):
         main(["plan", "--params", "lots", "--dp", "1", "--stage", "1"])
     assert exc.value.code == 2
     assert "argument --params: 'lots' is not a count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--params", "1e400"), ("--params", "1e19"), ("--memory-per-rank", "1e30")],
+)
+def test_cli_a_number_past_64_bits_exits_2_naming_it(capsys, flag, value):
+    """1e400 was an OverflowError traceback from the report's formatting."""
+    args = ["plan", "--params", "1e9", "--auto", "--memory-per-rank", "80GiB", "--ranks", "2"]
+    args[args.index(flag) + 1] = value
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert f"argument {flag}: '{value}' is too large" in capsys.readouterr().err
