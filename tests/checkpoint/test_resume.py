@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import torch
 
@@ -112,3 +115,29 @@ def test_export_streams_one_parameter_at_a_time(tmp_path):
     # export holding the model would need all of it; streaming keeps two or three of the
     # largest parameters (one being read, the ones freed before it, kept by malloc).
     assert peak < 4 * 16.8e6 and peak < 0.4 * 4 * psi, (peak, 4 * psi)
+
+
+def test_export_writes_beside_its_destination_under_a_name_of_its_own(tmp_path, saved_at_4):
+    """A device, a pipe or a socket is refused, not replaced by a regular file (a rename
+    over /dev/full did that); a user's ``<name>.tmp`` is left alone; the file gets the
+    mode the umask gives a new file."""
+    directory, _ = saved_at_4
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(OSError, match="not a regular file"):
+        export_checkpoint(directory, pipe)
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+    mine = tmp_path / "model.safetensors.tmp"
+    mine.write_text("the user's")
+    mask = os.umask(0o022)
+    try:
+        out = export_checkpoint(directory, tmp_path / "model.safetensors")
+    finally:
+        os.umask(mask)
+    assert mine.read_text() == "the user's"
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model.safetensors",
+        "model.safetensors.tmp",
+        "pipe",
+    ]

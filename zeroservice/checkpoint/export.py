@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -150,6 +151,10 @@ def export_checkpoint(
         raise IsADirectoryError(errno.EISDIR, "a directory: name the file to write", str(out))
     if not out.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no such directory to write into", str(out.parent))
+    if out.exists() and not out.is_file():
+        # The file is written beside it and renamed over it: a device, a pipe or a
+        # socket would be replaced by a regular file.
+        raise OSError(errno.EINVAL, "not a regular file: name a file to write", str(out))
     with contextlib.ExitStack() as readers:
         slices = []
         for where, m in _mp_slices(directory, read_manifest(directory)):
@@ -184,7 +189,18 @@ def _export(
             return slices[0].tensor(entry.record, entry.kind)
         return merge_mp_slices([s.tensor(entry.record, entry.kind) for s in slices], *split)
 
-    _write(out.with_name(out.name + ".tmp"), out, fmt, entries, tensor, manifest)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    # A name of its own beside ``out`` (nothing of the user's is overwritten), with the
+    # mode a file created in the usual way would have (mkstemp's is 0600).
+    os.fchmod(fd, 0o666 & ~_umask())
+    os.close(fd)
+    _write(Path(name), out, fmt, entries, tensor, manifest)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write(
