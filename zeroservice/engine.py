@@ -779,9 +779,12 @@ class Engine:
             pending += self.gatherer.refresh_persistent()
         comm.wait_all(pending)
         self.awaiting_state = False
-        self.optimizer.adopt_lrs()  # the rates a checkpoint restored are the engine's
         self.global_steps = counters.global_steps
         self.applied_steps = counters.applied_steps
+        # Each group's rate as the last step saved ran it: the factory's base (see [Note:
+        # hyperparameters on load] in checkpoint/load.py) at the schedule's position.
+        if self.applied_steps:
+            self.optimizer.set_lr_factor(lr_factor(self.config.lr_schedule, self.applied_steps - 1))
         if self.scaler is not None and counters.loss_scaler:
             self.scaler.load_state_dict(counters.loss_scaler)
         self.reducer.zero_grads()
