@@ -57,6 +57,16 @@ def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
     assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "x"), "--format", "pt"]) == 1
 
 
+@pytest.mark.parametrize("where", ["missing/report.json", "."])
+def test_demo_refuses_a_json_destination_it_cannot_write_before_training(tmp_path, capsys, where):
+    """It trained the whole demo, then ended in an OSError traceback."""
+    target = tmp_path / where
+    assert main(["demo", "--json", str(target)]) == 2
+    err = capsys.readouterr()
+    assert "training the reference GPT" not in err.out
+    assert f"--json {target}: " in err.err
+
+
 def test_output_to_a_reader_that_went_away_ends_quietly():
     """`zeroservice plan --paper | head -1`: the pipe closed, the command ends with the
     status of a process ended by SIGPIPE and no traceback."""

@@ -17,6 +17,13 @@ def _demo(args: argparse.Namespace) -> int:
     from zeroservice.demo import DemoSpec, format_report, train
     from zeroservice.launch import run_local
 
+    if args.json:  # before training: a destination that cannot be written fails at once
+        target = Path(args.json)
+        if target.is_dir() or not target.parent.is_dir():
+            what = "a directory" if target.is_dir() else "in no existing directory"
+            print(f"zeroservice demo: --json {args.json}: {what}", file=sys.stderr)
+            return 2
+
     spec = DemoSpec(
         stage=args.stage,
         precision=args.precision,
@@ -32,7 +39,11 @@ def _demo(args: argparse.Namespace) -> int:
     results = run_local(train, args.world, spec, threads=args.threads)
     print(format_report(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results[0], indent=2))
+        try:
+            Path(args.json).write_text(json.dumps(results[0], indent=2))
+        except OSError as exc:
+            print(f"zeroservice demo: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(f"\nwrote {args.json}")
     return 0
 
