@@ -129,14 +129,21 @@ def _section(parent: dict[str, Any], key: str, where: str) -> dict[str, Any]:
     return value
 
 
-def _flag(section: dict[str, Any], key: str, where: str, default: bool) -> bool:
+def _checked(
+    section: dict[str, Any], key: str, where: str, default: Any, ok: Any, what: str
+) -> Any:
+    """``section[key]`` (``default`` when absent) if ``ok(value)``; else refused by key."""
     if key not in section:
         return default
     value = section[key]
     _not_auto(value, f"{where}{key}")
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}{key}={value!r}: must be true or false")
+    if not ok(value):
+        raise ConfigError(f"{where}{key}={value!r}: must be {what}")
     return value
+
+
+def _flag(section: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    return _checked(section, key, where, default, lambda v: isinstance(v, bool), "true or false")
 
 
 @overload
@@ -187,13 +194,7 @@ def _is_real(value: Any) -> bool:
 
 
 def _text(section: dict[str, Any], key: str, where: str, default: str | None = None) -> str | None:
-    if key not in section:
-        return default
-    value = section[key]
-    _not_auto(value, f"{where}{key}")
-    if not isinstance(value, str):
-        raise ConfigError(f"{where}{key}={value!r}: must be a string")
-    return value
+    return _checked(section, key, where, default, lambda v: isinstance(v, str), "a string")
 
 
 def _without_effect(ds: dict[str, Any], zero: dict[str, Any]) -> dict[str, str]:

@@ -38,6 +38,18 @@ def tiny_job(**overrides: Any) -> JobSpec:
     return JobSpec.model_validate(body)
 
 
+def factory_model(factory: str, **kwargs: Any) -> dict[str, Any]:
+    """A job's ``model`` of the ``factory`` kind: ``module:function`` called with kwargs,
+    the tiny models' vocabulary and sequence length."""
+    return {
+        "kind": "factory",
+        "factory": factory,
+        "kwargs": kwargs,
+        "vocab_size": 256,
+        "seq_len": 16,
+    }
+
+
 def tiny_model(dim: int = 16, vocab: int = 256):
     """A model factory for the ``factory`` kind: ``forward(inputs, targets)`` -> loss."""
     import torch

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import wait_for
-from tests.workers.jobs import TINY_GPT2, tiny_job
+from tests.workers.jobs import TINY_GPT2, factory_model, tiny_job
 from zscli.server import processes_with
 
 pytestmark = pytest.mark.slow
@@ -114,13 +114,7 @@ def test_dp2_mp2_job_on_fractional_cpus_completes(local_ray, tmp_path):
 def test_a_loss_turned_nan_fails_the_job_as_diverged_before_its_chunk_is_saved(local_ray, tmp_path):
     """See [Note: a diverged job] in workers/controller.py."""
     ray = local_ray
-    model = {
-        "kind": "factory",
-        "factory": "tests.workers.factories:diverging",
-        "kwargs": {"after": 6},
-        "vocab_size": 256,
-        "seq_len": 16,
-    }
+    model = factory_model("tests.workers.factories:diverging", after=6)
     handle, status = _run(ray, "nan", tiny_job(model=model, steps=12), tmp_path / "ckpt")
     info = ray.get(handle.status.remote())
     assert status == "failed", info

@@ -7,20 +7,14 @@ import os
 
 import pytest
 
-from tests.workers.jobs import TINY_GPT2, tiny_job
+from tests.workers.jobs import TINY_GPT2, factory_model, tiny_job
 from workers.model_size import ModelNotBuildable, count_on_worker, count_parameters
 
 GIB = 2**30
 
 
 def _factory(name: str, **kwargs) -> dict:
-    return {
-        "kind": "factory",
-        "factory": f"tests.workers.factories:{name}",
-        "kwargs": kwargs,
-        "vocab_size": 256,
-        "seq_len": 16,
-    }
+    return factory_model(f"tests.workers.factories:{name}", **kwargs)
 
 
 def test_a_factory_runs_in_another_process_and_counts_as_in_place(local_ray, tmp_path):
