@@ -645,6 +645,8 @@ class Engine:
         if handle is None:
             return None
         try:
+            if handle.failure_reported:  # the caller's handle.wait() raised it already
+                return None
             return handle.wait()
         finally:
             dist.barrier(group=self.group)  # rank 0 returns only after the manifest

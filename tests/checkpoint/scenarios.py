@@ -296,3 +296,42 @@ def changed_hyperparameters(root: str, stage: int) -> dict:
         }
         e.close()
     return out
+
+
+def background_save_failed_then_saved(root: str) -> dict:
+    """A background save whose write fails on every rank (ENOSPC), waited through its
+    handle, then the next save: it is written, not refused with the old failure."""
+    import errno
+
+    from zeroservice.checkpoint import background
+
+    torch.manual_seed(0)
+    engine = zeroservice_initialize(
+        _Positions(16), {"stage": 2}, lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+    )
+
+    def step() -> None:
+        loss = engine(torch.randn(4, 8)).square().mean()
+        engine.backward(loss)
+        engine.step()
+
+    real = background.write_items
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    step()
+    background.write_items = full
+    try:
+        handle = engine.save_checkpoint(root, background=True)
+        try:
+            handle.wait()
+            first = "saved"
+        except CheckpointError as e:
+            first = str(e)
+    finally:
+        background.write_items = real
+    step()
+    second = engine.save_checkpoint(root, background=True).wait()
+    engine.close()
+    return {"first": first, "second": str(second)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.checkpoint import scenarios as sc
 from tests.engine.scenarios import Spec
@@ -133,6 +134,46 @@ def test_the_factorys_hyperparameters_apply_after_a_load_and_differences_are_war
         "group 0 lr: 0.0001 here, 0.01 in the checkpoint",
     ):
         assert said in message, message
+
+
+def test_a_failed_background_save_seen_through_its_handle_is_not_raised_again(tmp_path):
+    """The next save raised the old failure again (through the engine's wait for the
+    previous save) and wrote nothing."""
+    r = run_local(sc.background_save_failed_then_saved, 2, str(tmp_path))[0]
+    assert "background save failed" in r["first"] and "No space left" in r["first"], r
+    assert r["second"].endswith("step-00000002"), r
+    assert (tmp_path / "step-00000002" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "client_state,message",
+    [
+        ({"t": float("nan")}, "no NaN or infinity"),
+        ({"x": object()}, "not JSON serializable"),
+        ([1, 2], "expected a dict, got list"),
+    ],
+)
+def test_a_client_state_that_is_not_json_is_refused_before_anything_is_written(
+    tmp_path, client_state, message
+):
+    from zeroservice.checkpoint import save_checkpoint
+    from zeroservice.checkpoint.state import Counters, ShardedState
+
+    state = ShardedState(
+        [],
+        [],
+        torch.optim.SGD([torch.zeros(1)], lr=0.1),
+        torch.nn.Linear(1, 1),
+        True,
+        0,
+        1,
+        None,
+        Counters(1, 1, None),
+        0,
+    )
+    with pytest.raises(CheckpointError, match=f"^client_state: .*{message}"):
+        save_checkpoint(state, tmp_path / "root", client_state)
+    assert not (tmp_path / "root").exists()
 
 
 def test_a_tied_checkpoint_loads_into_an_untied_model(three_saves):

@@ -37,6 +37,9 @@ class SaveHandle:
     def __init__(self, directory: Location):
         self.directory = directory
         self.error: BaseException | None = None
+        self.failure_reported = False
+        """``wait()`` raised the failure: the engine does not raise it again at its next
+        save (which would then never be written)."""
         self._thread: threading.Thread | None = None
 
     def start(self, target) -> SaveHandle:
@@ -57,6 +60,7 @@ class SaveHandle:
         if self._thread is not None:
             self._thread.join()
         if self.error is not None:
+            self.failure_reported = True
             raise CheckpointError(f"{self.directory}: background save failed: {self.error}")
         return self.directory
 
@@ -71,7 +75,7 @@ def save_in_background(
 ) -> SaveHandle:
     """Snapshot this rank's state and write it on a thread. ``sequence`` numbers the
     engine's saves (the same on every rank) so reports of an older attempt are ignored."""
-    check_savable(state, keep)
+    check_savable(state, keep, client_state)
     root = location(root)
     store = storage_for(root)
     directory = root / step_dir_name(state.counters.global_steps)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import json
 import random
 import time
 from dataclasses import asdict
@@ -141,7 +142,8 @@ def _params(state: ShardedState) -> list[dict[str, Any]]:
     ]
 
 
-def check_savable(state: ShardedState, keep: int) -> None:
+def check_savable(state: ShardedState, keep: int, client_state: Any = None) -> None:
+    """Refuse, before anything is written, a save that cannot be a checkpoint."""
     if state.pending_micro_steps:
         raise CheckpointError(
             f"save: {state.pending_micro_steps} micro-batch(es) accumulated since the last "
@@ -150,6 +152,18 @@ def check_savable(state: ShardedState, keep: int) -> None:
         )
     if keep < 1:
         raise CheckpointError(f"keep: must be >= 1, got {keep}")
+    if client_state is not None:
+        if not isinstance(client_state, dict):
+            raise CheckpointError(
+                f"client_state: expected a dict, got {type(client_state).__name__}"
+            )
+        try:
+            json.dumps(client_state, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"client_state: must be JSON (numbers, strings, lists, dicts; no NaN or "
+                f"infinity): {exc}"
+            ) from None
 
 
 def save_checkpoint(
@@ -159,7 +173,7 @@ def save_checkpoint(
     is a directory or an object-store URI (``s3://bucket/prefix``).
 
     See [Note: failed save]."""
-    check_savable(state, keep)
+    check_savable(state, keep, client_state)
     root = location(root)
     directory = root / step_dir_name(state.counters.global_steps)
     group, rank = state.group, state.rank
