@@ -335,3 +335,39 @@ def background_save_failed_then_saved(root: str) -> dict:
     second = engine.save_checkpoint(root, background=True).wait()
     engine.close()
     return {"first": first, "second": str(second)}
+
+
+def background_save_failed_on_one_rank(root: str) -> dict:
+    """Rank 1's background write fails (ENOSPC): rank 0 fails the save naming it at
+    once, not after waiting out the save's timeout for rank 1's report."""
+    import errno
+    import time
+
+    from zeroservice.checkpoint import background
+
+    torch.manual_seed(0)
+    engine = zeroservice_initialize(
+        _Positions(16), {"stage": 2}, lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+    )
+    loss = engine(torch.randn(4, 8)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    real = background.write_items
+
+    def full(*args):
+        if dist.get_rank() == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args)
+
+    background.write_items = full
+    t0 = time.monotonic()
+    try:
+        engine.save_checkpoint(root, background=True).wait()
+        message = "saved"
+    except CheckpointError as e:
+        message = str(e)
+    finally:
+        background.write_items = real
+    seconds = time.monotonic() - t0
+    engine.close()
+    return {"message": message, "seconds": seconds}

@@ -145,6 +145,15 @@ def test_a_failed_background_save_seen_through_its_handle_is_not_raised_again(tm
     assert (tmp_path / "step-00000002" / "manifest.json").is_file()
 
 
+def test_a_background_save_failed_on_one_rank_fails_on_every_rank_naming_it(tmp_path):
+    """Rank 0 waited out the save's timeout (600 s) for the failed rank's report, and the
+    engine's next save with it; run_local's 120 s limit fails the test if it still does."""
+    out = run_local(sc.background_save_failed_on_one_rank, 2, str(tmp_path), timeout_s=120)
+    assert "background save failed" in out[1]["message"] and "No space left" in out[1]["message"]
+    assert "not committed: rank 1: No space left on device" in out[0]["message"], out[0]
+    assert not (tmp_path / "step-00000001" / "manifest.json").exists()
+
+
 @pytest.mark.parametrize(
     "client_state,message",
     [

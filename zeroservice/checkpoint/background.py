@@ -93,8 +93,17 @@ def save_in_background(
         return directory / f"rank-{r:05d}.report-{sequence}.json"
 
     def write() -> None:
-        segments = write_items(directory / name, items)
-        items.clear()  # the snapshot's memory goes back as soon as it is on disk
+        try:
+            segments = write_items(directory / name, items)
+        except OSError as exc:
+            # Said in this rank's report, so that rank 0 stops waiting for it at once and
+            # fails the save naming it (else it waited out ``timeout_s``, and with it the
+            # engine's next save).
+            said = {"error": f"rank {rank}: {exc.strerror or exc}"}
+            atomic_write_bytes(report_path(rank), json.dumps(said).encode())
+            raise
+        finally:
+            items.clear()  # the snapshot's memory goes back as soon as it is on disk
         report = {
             "file": name,
             "bytes": store.size(directory / name),
@@ -111,6 +120,11 @@ def save_in_background(
                 raise CheckpointError(f"ranks {missing} did not finish within {timeout_s} s")
             time.sleep(store.poll_s)
         reports = [json.loads(store.read_bytes(report_path(r))) for r in range(world)]
+        failed = [r["error"] for r in reports if "error" in r]
+        if failed:
+            for r in range(world):
+                store.remove(report_path(r))
+            raise CheckpointError(f"not committed: {'; '.join(failed)}")
         assert header is not None
         write_manifest(directory, assemble(header, reports))
         for r in range(world):
