@@ -169,16 +169,16 @@ def test_a_client_state_that_is_not_json_is_refused_before_anything_is_written(
     from zeroservice.checkpoint.state import Counters, ShardedState
 
     state = ShardedState(
-        [],
-        [],
-        torch.optim.SGD([torch.zeros(1)], lr=0.1),
-        torch.nn.Linear(1, 1),
-        True,
-        0,
-        1,
-        None,
-        Counters(1, 1, None),
-        0,
+        units=[],
+        masters=[],
+        optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1),
+        module=torch.nn.Linear(1, 1),
+        whole=True,
+        rank=0,
+        world=1,
+        group=None,
+        counters=Counters(1, 1, None),
+        pending_micro_steps=0,
     )
     with pytest.raises(CheckpointError, match=f"^client_state: .*{message}"):
         save_checkpoint(state, tmp_path / "root", client_state)

@@ -13,7 +13,7 @@ import contextlib
 import errno
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -189,18 +189,19 @@ def _export(
             return slices[0].tensor(entry.record, entry.kind)
         return merge_mp_slices([s.tensor(entry.record, entry.kind) for s in slices], *split)
 
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    # A name of its own beside ``out`` (nothing of the user's is overwritten), with the
-    # mode a file created in the usual way would have (mkstemp's is 0600).
-    os.fchmod(fd, 0o666 & ~_umask())
-    os.close(fd)
-    _write(Path(name), out, fmt, entries, tensor, manifest)
+    _write(_temporary_beside(out), out, fmt, entries, tensor, manifest)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _temporary_beside(out: Path) -> Path:
+    """A new file of its own beside ``out`` (nothing of the user's is overwritten),
+    created with mode 0666 so that the kernel applies the umask as to any new file."""
+    while True:
+        path = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return path
+        except FileExistsError:
+            continue
 
 
 def _write(

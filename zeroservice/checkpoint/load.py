@@ -218,7 +218,7 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
                 manifest["client_state"],
                 saved_counters(manifest),
                 skipped,
-                hyperparameter_differences(state, manifest, state.base_lrs),
+                hyperparameter_differences(state, manifest),
             )
         if reader is not None:
             reader.close()
@@ -253,9 +253,7 @@ _NOT_HYPERPARAMETERS = {"lr", "initial_lr", "foreach", "fused", "capturable", "d
 moves it; its base is compared apart) and how torch computes the update."""
 
 
-def hyperparameter_differences(
-    state: ShardedState, manifest: dict[str, Any], base_lrs: list[float]
-) -> list[str]:
+def hyperparameter_differences(state: ShardedState, manifest: dict[str, Any]) -> list[str]:
     """Where the checkpoint's group hyperparameters differ from this engine's factory's.
 
     [Note: hyperparameters on load]
@@ -278,8 +276,9 @@ def hyperparameter_differences(
             theirs = tuple(value) if isinstance(ours, tuple) else value
             if ours != theirs:
                 out.append(f"group {i} {key}: {ours!r} here, {theirs!r} in the checkpoint")
-        if saved_bases is not None and i < len(saved_bases) and saved_bases[i] != base_lrs[i]:
-            out.append(f"group {i} lr: {base_lrs[i]!r} here, {saved_bases[i]!r} in the checkpoint")
+        base = state.base_lrs[i]
+        if saved_bases is not None and i < len(saved_bases) and saved_bases[i] != base:
+            out.append(f"group {i} lr: {base!r} here, {saved_bases[i]!r} in the checkpoint")
     return out
 
 
