@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -109,17 +109,22 @@ def check_no_gradient_hooks(module: nn.Module) -> None:
     """Refuse hooks on parameters at stage 3: the module computes with gathered copies,
     the parameters themselves become empty placeholders, and a hook registered on
     one (``register_hook``, ``register_post_accumulate_grad_hook``) would never run."""
-    hooked = [
-        n
-        for n, p in module.named_parameters()
-        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
-    ]
+    hooked = gradient_hooked(module.named_parameters())
     if hooked:
         raise ConfigError(
             f"stage: 3 partitions parameters, and {some_names(hooked)} carry "
             "gradient hooks that would never run on them; change the gradient in the "
             "module's forward instead, or use stage 0, 1 or 2"
         )
+
+
+def gradient_hooked(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the parameters that carry a gradient hook of either kind."""
+    return [
+        n
+        for n, p in named
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+    ]
 
 
 def is_deferred(module: nn.Module) -> bool:

@@ -25,12 +25,19 @@ So each training forward checks that every module still holds the parameter obje
 held at ``initialize``, in the same dtype and on the same device, and at stages 0-2
 still viewing the engine's buffer at the same place. A forward under
 ``torch.no_grad()`` (an evaluation) is not checked.
+
+At stage 3 the modules compute with gathered copies, so a gradient hook on a
+parameter would never run. ``initialize`` refuses one (construct.py); one registered
+afterwards (``engine.module.head.weight.register_hook(...)``) is refused by the same
+check, where it used to be skipped without a word: gradients clamped or scaled at
+stages 0-2 went through whole at stage 3.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from .construct import gradient_hooked
 from .naming import some_names
 
 _HINT = (
@@ -42,7 +49,8 @@ _HINT = (
 
 class PlannedParameters:
     """Every parameter as ``initialize`` left it: its owners, flag, dtype, device and
-    (at stages 0-2, ``fixed_storage``) the address of its data."""
+    (at stages 0-2, ``fixed_storage``) the address of its data; at stage 3 (storage
+    not fixed: placeholders) no gradient hook on it."""
 
     def __init__(self, module: nn.Module, fixed_storage: bool):
         self._slots = [
@@ -73,6 +81,8 @@ class PlannedParameters:
             )
         self._check_kinds()
         self._check_flags()
+        if not self._fixed_storage:
+            self._check_no_hooks()
 
     def _check_kinds(self) -> None:
         kinds = [(p.dtype, p.device) for p in self._params]
@@ -125,3 +135,14 @@ class PlannedParameters:
             "holds no optimizer state, so start that engine with init=<the weights from "
             "`zeroservice checkpoint export`>)"
         )
+
+    def _check_no_hooks(self) -> None:
+        hooked = gradient_hooked(zip(self._names, self._params, strict=True))
+        if hooked:
+            raise RuntimeError(
+                f"forward: {some_names(hooked, 5)} carry gradient hooks registered after "
+                "initialize (register_hook, register_post_accumulate_grad_hook). Stage 3 "
+                "partitions parameters and the modules compute with gathered copies, so "
+                "the hooks would never run: change the gradient in the module's forward "
+                "instead, or use stage 0, 1 or 2"
+            )

@@ -224,3 +224,56 @@ def test_a_parameter_cut_off_from_the_engine_is_refused_before_the_forward_runs(
         assert r["nothing_ran"], (how, stage)
         if how != "converted":
             assert r["restored"] is not None, (how, stage)
+
+
+def _hooked_later(stage: int, kind: str) -> dict:
+    engine = _engine(stage)
+    head = engine.module.head.weight
+    before = head.detach().clone() if stage < 3 else None
+    launched = engine.comm_ledger().launched
+    if kind == "tensor":
+        handle = head.register_hook(torch.zeros_like)
+    else:
+        handle = head.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        _train(engine, 0)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    out = {"refused": refused}
+    if stage < 3 and kind == "tensor":  # the hook ran: a zero gradient, weight decay only
+        out["decayed_only"] = torch.equal(head.detach(), before * (1 - 1e-2 * 0.1))
+    if refused is not None:
+        out["nothing_ran"] = engine.micro_steps == 0 and engine.comm_ledger().launched == launched
+        handle.remove()
+        out["losses"] = [_train(engine, s) for s in (0, 1)]
+        plain = _engine(stage)
+        out["expected"] = [_train(plain, s) for s in (0, 1)]
+        plain.close()
+    engine.close()
+    return out
+
+
+def _hooks_later() -> dict:
+    return {
+        (stage, kind): _hooked_later(stage, kind) for stage in STAGES for kind in ("tensor", "post")
+    }
+
+
+def test_a_gradient_hook_registered_after_initialize_is_refused_at_stage_3():
+    """Stage 3 computes with gathered copies: a hook registered on a parameter after
+    initialize would never run (it used to be skipped without a word, so a gradient
+    zeroed at stages 0-2 trained whole at stage 3). Stages 0-2 run it."""
+    out = run_local(_hooks_later, 2, timeout_s=300)[0]
+    for (stage, kind), r in out.items():
+        if stage < 3:
+            assert r["refused"] is None, (stage, kind, r["refused"])
+            if kind == "tensor":
+                assert r["decayed_only"], stage
+            continue
+        assert r["refused"] is not None, kind
+        assert "head.weight carry gradient hooks registered after initialize" in r["refused"]
+        assert r["nothing_ran"], kind
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(r["expected"]), rtol=1e-5, atol=0
+        )
