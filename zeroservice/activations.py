@@ -28,6 +28,7 @@ counted in ``overflows``; the arena grows to fit at the next step.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,9 +37,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
 from torch.nn.utils.parametrize import ParametrizationList
 
 from .buffers import Arena
+from .naming import some_names
 from .recompute_buffers import BufferWrites, as_before
 from .tensor_parallel import MPGroup
 
@@ -334,7 +337,21 @@ class ActivationCheckpointer:
     has its gradient accumulated, and its post-accumulate hook run, once per call,
     and once more for a use outside every checkpointed block. The reducer must not
     reduce its unit before the last of them: ``take_expected_fires`` tells it how
-    many to wait for, counted from the forwards since the last backward."""
+    many to wait for, counted from the forwards since the last backward.
+
+    [Note: what a recomputation cannot replay]
+    A block's recomputation must compute what its first forward did, and the first
+    forward runs without a graph. Two things a block may be handed break that without
+    an error anywhere, so a training forward refuses them by name: a key/value cache
+    (transformers' ``past_key_values`` with ``use_cache=True``, the default of its
+    decoders), which the recomputation appends to a second time, so attention runs over
+    twice the keys, half of them stale (the losses drifted 2e-3 from DDP's by the third
+    step); and forward hooks on modules inside the block, which keep tensors that carry
+    no gradient (transformers' MoE models collect ``router_logits`` for the auxiliary
+    loss by replacing the router's forward on the instance during each call, and the
+    router never learned from the auxiliary loss). transformers' own gradient
+    checkpointing turns ``use_cache`` off for the same reason; ``initialize`` does that
+    for a model whose ``config.use_cache`` is on, with a warning."""
 
     def __init__(
         self,
@@ -363,6 +380,14 @@ class ActivationCheckpointer:
         self._used_directly: set[int] = set()
         """Parameters of a block called with a graph but not checkpointed (no tensor
         input) since the last backward."""
+        self._inner_forwards = {
+            id(m): m.__dict__.get("forward")
+            for _, block in modules
+            for m in block.modules()
+            if m is not block
+        }
+        """Per module inside a block, the forward its instance carried at initialize (see
+        [Note: what a recomputation cannot replay])."""
         for name, module in modules:
             if "forward" in module.__dict__:
                 what = name or "the model"
@@ -396,6 +421,7 @@ class ActivationCheckpointer:
                     f"activation checkpointing: {name} receives a second tensor that needs a "
                     "gradient; only the first positional argument is checkpointed"
                 )
+        check_replayable(name, module, rest, kwargs, self._inner_forwards)
 
         def run(inp: torch.Tensor):
             return original(inp, *rest, **kwargs)
@@ -423,6 +449,78 @@ class ActivationCheckpointer:
     def remove(self) -> None:
         for _, module in self.modules:
             module.__dict__.pop("forward", None)
+
+
+def check_replayable(
+    name: str, module: nn.Module, args: tuple, kwargs: dict, forwards: dict[int, Any]
+) -> None:
+    """Refuse what a recomputation cannot reproduce. See [Note: what a recomputation
+    cannot replay]. ``forwards``: per inner module, its instance's forward at initialize."""
+    what = name or "the model"
+    for key, value in [*((f"argument {i + 1}", v) for i, v in enumerate(args)), *kwargs.items()]:
+        if _is_cache(value):
+            raise ValueError(
+                f"activation checkpointing: {what} is called with a key/value cache "
+                f"({key}, a {type(value).__name__}) in a training forward; its recomputation "
+                "would append to the cache a second time and attend over stale keys. Call "
+                "the model with use_cache=False in training (for a transformers model, "
+                "model.config.use_cache = False)"
+            )
+    hooked = [
+        f"{name}.{sub}" if name and sub else sub or what
+        for sub, m in module.named_modules()
+        if m is not module
+        and (
+            _foreign_hooks(m._forward_hooks)
+            or m.__dict__.get("forward") is not forwards.get(id(m), m.__dict__.get("forward"))
+        )
+    ]
+    if _foreign_hooks(_global_forward_hooks):
+        hooked.insert(0, "every module (a global forward hook)")
+    if hooked:
+        raise ValueError(
+            f"activation checkpointing: inside checkpointed block {what}, forward hooks or "
+            f"a forward replaced since initialize (how transformers records router logits "
+            f"and attentions) on {some_names(hooked, 3)}. The block's first forward "
+            "runs without autograd, so a tensor kept that way (router logits for an "
+            "auxiliary loss, features for a distillation loss) would carry no gradient and "
+            "its loss term would train nothing. Remove the hooks (for a transformers MoE "
+            "model, output_router_logits=False), or turn activation_checkpointing off (a "
+            "transformers model may use its own gradient_checkpointing_enable())"
+        )
+
+
+def turn_cache_off(module: nn.Module) -> None:
+    """A model whose config asks for a key/value cache (transformers' decoders do by
+    default) is told not to, with a warning: training never reads the cache, and a
+    checkpointed block handed one is refused (see [Note: what a recomputation cannot
+    replay]). ``generate`` reads its own generation config and keeps its cache."""
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", None) is True:
+        config.use_cache = False  # type: ignore[union-attr]
+        warnings.warn(
+            "activation_checkpointing: model.config.use_cache set to False (a checkpointed "
+            "block's recomputation would append to the key/value cache a second time)",
+            stacklevel=3,
+        )
+
+
+def _is_cache(value: Any) -> bool:
+    """A key/value cache as transformers passes it to a block (``Cache``: ``update``
+    appends this call's keys and values, ``get_seq_length`` says how many it holds)."""
+    return (
+        not isinstance(value, torch.Tensor)
+        and callable(getattr(value, "update", None))
+        and callable(getattr(value, "get_seq_length", None))
+    )
+
+
+def _foreign_hooks(hooks: dict) -> bool:
+    """Any hook that is not the engine's own (stage 3's gather and release)."""
+    return any(
+        not getattr(getattr(h, "func", h), "__module__", "").startswith("zeroservice.")
+        for h in hooks.values()
+    )
 
 
 def _owned_outside(root: nn.Module, blocks: list[nn.Module]) -> set[int]:

@@ -22,7 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm, construct
-from .activations import ActivationCheckpointer, CheckpointStore, checkpointed_modules
+from .activations import (
+    ActivationCheckpointer,
+    CheckpointStore,
+    checkpointed_modules,
+    turn_cache_off,
+)
 from .buffers import BufferCache
 from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
@@ -312,6 +317,7 @@ class Engine:
                     "activation_checkpointing: the model has no nn.ModuleList of blocks to "
                     "checkpoint"
                 )
+            turn_cache_off(module)
             self.activations = CheckpointStore(
                 self.mp,
                 partition=config.partition_activations,
