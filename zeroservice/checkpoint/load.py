@@ -297,8 +297,15 @@ def _apply(state: ShardedState, plan: _Plan, reader: Reader, zeroed: bool = Fals
         zero_masters(state)
     plan.run(reader, apply=state)
     scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
-    for master in state.masters:
+    for unit, master in zip(state.units, state.masters, strict=True):
         per_param = state.optimizer.state[master]
+        if not unit.frozen:
+            # A shard holding only padding read no segment: its state is still whole
+            # (zeros, as the padding's moments are), or the optimizer would find its
+            # step without its moments.
+            for kind in plan.kinds:
+                if kind != "master" and kind not in per_param:
+                    per_param[kind] = torch.zeros_like(master.detach())
         for key, spec in scalars.items():
             if "dtype" in spec:
                 value = torch.tensor(spec["value"], dtype=dtype_of(spec["dtype"]))

@@ -37,22 +37,32 @@ from .storage import Location, Where, location, storage_for
 
 
 def per_element_kinds(state: ShardedState) -> tuple[list[str], dict[str, Any]]:
-    """Optimizer state keys that are shard-sized (saved per element), and the scalars."""
-    master = state.masters[0]
-    first = state.optimizer.state.get(master, {})
-    kinds, scalars = [], {}
-    for key, value in first.items():
-        if isinstance(value, torch.Tensor) and value.numel() == master.numel() > 1:
-            kinds.append(key)
-        elif isinstance(value, torch.Tensor):
-            scalars[key] = {
-                "value": value.item(),
-                "dtype": str(value.dtype).removeprefix("torch."),
-                "shape": list(value.shape),
-            }
-        else:
-            scalars[key] = {"value": value}
-    return kinds, scalars
+    """Optimizer state keys that are shard-sized (saved per element), and the scalars.
+
+    Read over every master, not the first alone: param groups may keep different state
+    (SGD's momentum on the weights' group only, amsgrad on one group), and a key one
+    group lacks would be dropped, or the save fail on it. A key is per element when its
+    tensor has the master's shape, so a one-element shard's moments stay per element
+    (a 0-dim ``step`` is a scalar). A master without a key saves zeros for it
+    (``_state_tensor``), which the optimizers read only in the groups that keep it."""
+    kinds: list[str] = []
+    scalars: dict[str, Any] = {}
+    for master in state.masters:
+        for key, value in state.optimizer.state.get(master, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
+                if key not in kinds:
+                    kinds.append(key)
+            elif key in scalars or value is None:
+                continue
+            elif isinstance(value, torch.Tensor):
+                scalars[key] = {
+                    "value": value.item(),
+                    "dtype": str(value.dtype).removeprefix("torch."),
+                    "shape": list(value.shape),
+                }
+            else:
+                scalars[key] = {"value": value}
+    return kinds, {k: v for k, v in scalars.items() if k not in kinds}
 
 
 def _state_tensor(state: ShardedState, unit_index: int, kind: str) -> torch.Tensor:
@@ -62,7 +72,8 @@ def _state_tensor(state: ShardedState, unit_index: int, kind: str) -> torch.Tens
     master = state.masters[unit_index]
     if kind == "master":
         return master.detach()
-    return state.optimizer.state[master][kind]
+    value = state.optimizer.state.get(master, {}).get(kind)
+    return torch.zeros_like(master.detach()) if value is None else value
 
 
 Item = tuple[dict[str, Any], torch.Tensor]
