@@ -371,3 +371,46 @@ def background_save_failed_on_one_rank(root: str) -> dict:
     seconds = time.monotonic() - t0
     engine.close()
     return {"message": message, "seconds": seconds}
+
+
+def resave_on_a_full_disk(spec: Spec, root: str) -> dict:
+    """Save step 2, load it into a new engine and save step 2 again while rank 1's disk
+    is full; then load it, and save it again with room."""
+    import errno
+
+    from zeroservice.checkpoint import SaveFailed
+
+    first = engine_for(spec)
+    _train(first, spec, range(2))
+    first.save_checkpoint(root, client_state={"next_step": 2})
+    first.close()
+    engine = engine_for(spec)
+    engine.load_checkpoint(root)
+    real_segment = save.write_segment
+
+    def segment(f, tensor):
+        if dist.get_rank() == 1:
+            f.write(b"\0" * 64)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_segment(f, tensor)
+
+    save.write_segment = segment
+    try:
+        engine.save_checkpoint(root, client_state={"next_step": 2})
+        failed = "saved"
+    except SaveFailed as exc:
+        failed = f"SaveFailed: {exc}"
+    finally:
+        save.write_segment = real_segment
+    dist.barrier()
+    step = Path(root) / "step-00000002"
+    after_failure = sorted(p.name for p in step.iterdir())
+    loaded = engine_for(spec).load_checkpoint(root).step
+    engine.save_checkpoint(root, client_state={"next_step": 2})
+    dist.barrier()
+    return {
+        "failed": failed,
+        "after_failure": after_failure,
+        "loaded": loaded,
+        "after_retry": sorted(p.name for p in step.iterdir()),
+    }

@@ -107,6 +107,37 @@ def test_a_checkpoint_of_another_model_is_refused_without_fallback(three_saves):
     assert f"no entry for parameter {renamed}" in message
 
 
+def test_a_mismatch_that_one_rank_holds_is_raised_on_every_rank(three_saves):
+    """The last parameter lies in the last rank's shard alone: that rank raised, and the
+    others waited in their next collective (a hang, or gloo's 'connection reset')."""
+    root, dirs = three_saves
+    manifest = dirs[-1] / "manifest.json"
+    m = json.loads(manifest.read_text())
+    last = m["params"][-1]
+    renamed = last["names"][0]
+    last["names"] = [n + "_other" for n in last["names"]]
+    last["name"] = last["names"][0]
+    manifest.write_text(json.dumps(m))
+    messages = run_local(sc.try_load, 2, SPEC, str(root), timeout_s=120)
+    for message in messages:
+        assert message.startswith("CheckpointMismatch"), messages
+        assert f"no entry for parameter {renamed}" in message, messages
+
+
+def test_a_manifest_missing_what_the_result_needs_is_skipped_before_anything_is_written(
+    three_saves,
+):
+    """A manifest without its engine counters raised KeyError after the state was written."""
+    root, dirs = three_saves
+    manifest = dirs[-1] / "manifest.json"
+    m = json.loads(manifest.read_text())
+    del m["engine"]
+    manifest.write_text(json.dumps(m))
+    r = _load(root)
+    assert r["step"] == 2, r  # the next older one, loaded whole
+    assert "malformed manifest (KeyError: 'engine')" in str(r["skipped"]), r
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_buffer_of_another_shape_is_refused_before_anything_is_written(tmp_path, stage):
     """It was a RuntimeError from a view, after the masters had been written."""
@@ -263,3 +294,17 @@ def test_after_a_full_disk_the_previous_checkpoint_is_the_newest_sound_one(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
     r = _load(tmp_path)
     assert r["step"] == 1 and r["skipped"] == []
+
+
+def test_a_step_saved_again_keeps_its_checkpoint_when_the_save_fails(tmp_path):
+    """Saving the step just loaded used to un-commit it first and, on ENOSPC, remove the
+    step directory: the only checkpoint was gone while the error said it stayed."""
+    results = run_local(sc.resave_on_a_full_disk, 2, SPEC, str(tmp_path))
+    for r in results:
+        assert r["failed"].startswith("SaveFailed: ") and "ENOSPC" in r["failed"], r
+        assert r["after_failure"] == ["manifest.json", "rank-00000.bin", "rank-00001.bin"]
+        assert r["loaded"] == 2
+        # With room, the new files replace the old ones after the commit.
+        names = r["after_retry"]
+        assert len(names) == 3 and "manifest.json" in names, names
+        assert not {"rank-00000.bin", "rank-00001.bin"} & set(names), names

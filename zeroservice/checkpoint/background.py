@@ -16,13 +16,15 @@ import time
 from typing import Any
 
 from .files import CheckpointError, atomic_write_bytes
-from .manifest import MANIFEST, step_dir_name, write_manifest
+from .manifest import step_dir_name, write_manifest
 from .save import (
     assemble,
     check_savable,
+    committed_files,
     manifest_header,
     per_element_kinds,
     prune,
+    rank_file_name,
     rng_state,
     snapshot_items,
     write_items,
@@ -81,13 +83,14 @@ def save_in_background(
     directory = root / step_dir_name(state.counters.global_steps)
     rank, world = state.rank, state.world
     store.make_dirs(directory)
-    if rank == 0:
-        store.remove(directory / MANIFEST)
+    # A step saved again keeps its committed checkpoint until the new one commits
+    # (see [Note: failed save] in save.py).
+    committed = committed_files(directory)
     kinds, scalars = per_element_kinds(state)
     items = snapshot_items(state, kinds, copy=True)
     header = manifest_header(state, kinds, scalars, client_state) if rank == 0 else None
     rng = rng_state()
-    name = f"rank-{rank:05d}.bin"
+    name = rank_file_name(rank, committed is not None)
 
     def report_path(r: int) -> Location:
         return directory / f"rank-{r:05d}.report-{sequence}.json"
@@ -124,11 +127,17 @@ def save_in_background(
         if failed:
             for r in range(world):
                 store.remove(report_path(r))
+            if committed is not None:  # the committed checkpoint stays whole
+                for r in reports:
+                    if "file" in r:
+                        store.remove(directory / r["file"])
             raise CheckpointError(f"not committed: {'; '.join(failed)}")
         assert header is not None
         write_manifest(directory, assemble(header, reports))
         for r in range(world):
             store.remove(report_path(r))
+        for old in set(committed or ()) - {r["file"] for r in reports}:
+            store.remove(directory / old)
         prune(root, keep)
 
     return SaveHandle(directory).start(write)

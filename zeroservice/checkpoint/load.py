@@ -194,6 +194,7 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
     skipped: list[tuple[Location, str]] = []
     for directory in candidates(path):
         error: str | None = None
+        mismatch: str | None = None
         plan: _Plan | None = None
         reader: SegmentReader | None = None
         try:
@@ -203,16 +204,8 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
             reader = SegmentReader(directory, manifest["files"])
             reader.check_files(plan.files)
             plan.run(reader, apply=None)
-        except CheckpointMismatch:
-            raise
-        except (CheckpointError, OSError) as exc:
-            error = str(exc)
-        errors = _all_errors(error, state.group)
-        if not errors:
-            assert plan is not None and reader is not None
-            _apply(state, plan, reader)
-            reader.close()
-            return LoadResult(
+            # Everything the result needs is read before anything is written.
+            result = LoadResult(
                 directory,
                 manifest["step"],
                 manifest["client_state"],
@@ -220,8 +213,25 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
                 skipped,
                 hyperparameter_differences(state, manifest),
             )
+        except CheckpointMismatch as exc:
+            mismatch = str(exc)
+        except (CheckpointError, OSError) as exc:
+            error = str(exc)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            error = f"{directory}: malformed manifest ({type(exc).__name__}: {exc})"
+        # Every rank decides alike: a mismatch one rank found (a parameter only its shard
+        # holds) is raised by all, where the others used to wait in their next collective.
+        mismatches = _all_errors(mismatch, state.group)
+        errors = _all_errors(error, state.group)
+        if not (mismatches or errors):
+            assert plan is not None and reader is not None
+            _apply(state, plan, reader)
+            reader.close()
+            return result
         if reader is not None:
             reader.close()
+        if mismatches:
+            raise CheckpointMismatch("; ".join(mismatches))
         skipped.append((directory, "; ".join(errors)))
     reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped) or "none found"
     raise CheckpointError(f"{path}: no complete, valid checkpoint ({reasons})")
@@ -297,15 +307,14 @@ def _apply(state: ShardedState, plan: _Plan, reader: Reader, zeroed: bool = Fals
         zero_masters(state)
     plan.run(reader, apply=state)
     scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
-    for unit, master in zip(state.units, state.masters, strict=True):
+    for master in state.masters:  # the trainable units' (frozen ones have none)
         per_param = state.optimizer.state[master]
-        if not unit.frozen:
-            # A shard holding only padding read no segment: its state is still whole
-            # (zeros, as the padding's moments are), or the optimizer would find its
-            # step without its moments.
-            for kind in plan.kinds:
-                if kind != "master" and kind not in per_param:
-                    per_param[kind] = torch.zeros_like(master.detach())
+        # A shard holding only padding read no segment: its state is still whole
+        # (zeros, as the padding's moments are), or the optimizer would find its step
+        # without its moments.
+        for kind in plan.kinds:
+            if kind != "master" and kind not in per_param:
+                per_param[kind] = torch.zeros_like(master.detach())
         for key, spec in scalars.items():
             if "dtype" in spec:
                 value = torch.tensor(spec["value"], dtype=dtype_of(spec["dtype"]))

@@ -12,6 +12,12 @@ rank 0 commits (writes the manifest) only when every rank wrote, and its verdict
 shared with every rank, is the save's closing barrier. On a failure rank 0 removes
 the step directory, every rank raises SaveFailed, and the newest complete
 checkpoint is the one before: a later save tries again.
+
+A step saved again (a save right after loading that step) must not lose the checkpoint
+already committed there if it fails. So its rank files get new names beside the
+committed ones, the new manifest replaces the old one atomically, and only then are
+the old files removed; a failure removes the new files alone. (The step directory used
+to be un-committed first and removed on the failure: the only checkpoint was gone.)
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import base64
 import errno
 import json
 import random
+import secrets
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -190,8 +197,10 @@ def save_checkpoint(
     group, rank = state.group, state.rank
     failure = _attempt(rank == 0, "create the step directory", lambda: _open_step(directory))
     _agree(failure, directory, state)  # every rank goes on only once it exists
+    # Read by every rank before rank 0 commits (after the all-gather below).
+    committed = committed_files(directory)
     kinds, scalars = per_element_kinds(state)
-    name = f"rank-{rank:05d}.bin"
+    name = rank_file_name(rank, committed is not None)
     report: dict[str, Any] = {"file": name}
     try:
         report["segments"] = write_rank_file(directory / name, state, kinds)
@@ -208,15 +217,36 @@ def save_checkpoint(
         failure = _attempt(True, "commit", commit)
         errors = [failure] if failure else []
         if not errors:
+            mine = {r["file"] for r in reports}
+            for old in set(committed or ()) - mine:  # the step's previous files
+                storage_for(directory).remove(directory / old)
             prune(root, keep)
-    _agree("; ".join(errors) or None, directory, state)
+    written = [r["file"] for r in reports]
+    _agree("; ".join(errors) or None, directory, state, written)
     return directory
+
+
+def rank_file_name(rank: int, beside_committed: bool) -> str:
+    """A rank file's name; beside a committed checkpoint of the same step, a new one
+    (see [Note: failed save])."""
+    if beside_committed:
+        return f"rank-{rank:05d}.{secrets.token_hex(4)}.bin"
+    return f"rank-{rank:05d}.bin"
+
+
+def committed_files(directory: Location) -> list[str] | None:
+    """The rank files of a checkpoint already committed in ``directory``, or None."""
+    if not storage_for(directory).is_file(directory / MANIFEST):
+        return None
+    try:
+        return list(json.loads(storage_for(directory).read_bytes(directory / MANIFEST))["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # not a sound checkpoint: nothing of it to keep apart
 
 
 def _open_step(directory: Location) -> None:
     store = storage_for(directory)
     store.make_dirs(directory)
-    store.remove(directory / MANIFEST)  # re-saving a step: un-commit first
     if isinstance(directory, Path):  # an object store has no directory entries to sync
         fsync_dir(directory)
         fsync_dir(directory.parent)  # the step directory's entry is durable too
@@ -238,16 +268,27 @@ def _oserror(exc: OSError) -> str:
     return f"{name + ': ' if name else ''}{exc.strerror or exc}"
 
 
-def _agree(failure: str | None, directory: Location, state: ShardedState) -> None:
+def _agree(
+    failure: str | None,
+    directory: Location,
+    state: ShardedState,
+    written: list[str] | None = None,
+) -> None:
     """Every rank learns rank 0's verdict (this is also the save's barrier); on a
-    failure rank 0 removes the step directory and every rank raises SaveFailed."""
+    failure rank 0 removes the step directory (where it holds a committed checkpoint,
+    only the files this save ``written``) and every rank raises SaveFailed."""
     verdicts: list[Any] = [None] * state.world
     dist.all_gather_object(verdicts, failure, group=state.group)
     failed = verdicts[0]
     if failed is None:
         return
     if state.rank == 0:
-        storage_for(directory).remove_tree(directory)
+        store = storage_for(directory)
+        if store.is_file(directory / MANIFEST):
+            for name in written or ():
+                store.remove(directory / name)
+        else:
+            store.remove_tree(directory)
     raise SaveFailed(
         f"{directory}: save failed, the previous checkpoint stays the newest: {failed}"
     )
