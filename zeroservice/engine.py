@@ -33,7 +33,7 @@ from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .forward_writes import ForwardWrites, between_steps_reason, watch_reason
 from .gather import ParamGatherer
-from .gather_check import GatherCheck
+from .gather_check import GatherCheck, GatherDigest
 from .host_memory import HostTrim
 from .interrupt import Interrupt, stop_forwards
 from .memory import (
@@ -270,6 +270,7 @@ class Engine:
                 persistence_elements=budget.persistence_elements,
                 persistent_total=budget.persistent_total,
                 check=GatherCheck(group, self.units) if config.stage3_check_gathers else None,
+                digest=GatherDigest(group) if self.dp_world > 1 else None,
                 quantize_block=config.quantization_block if config.quantized_weights else None,
                 secondary=(
                     Secondary(self.node_groups)
@@ -475,6 +476,7 @@ class Engine:
         factor = lr_factor(self.config.lr_schedule, self.applied_steps)
         if self.micro_steps < self.config.gradient_accumulation_steps:
             return StepReport(False, None, False, factor, self.loss_scale)
+        self._check_gather_digest()
         scale = self.loss_scale
         self.state.move(TrainingState.STEPPING)
         self.optimizer.set_lr_factor(factor)
@@ -525,6 +527,18 @@ class Engine:
             )
         if between:
             self.reducer.zero_grads()
+
+    def _check_gather_digest(self) -> None:
+        """Stage 3: every rank issued the same gathers this step, or the step is refused
+        and its gradients discarded (see [Note: rank-divergent control flow])."""
+        digest = self.gatherer.digest if self.gatherer is not None else None
+        if digest is None:
+            return
+        try:
+            digest.check()
+        except RuntimeError:
+            self._discard_step()
+            raise
 
     def _weights_written(self) -> None:
         """The parameters hold what the engine wrote (see [Note: a forward that writes

@@ -44,7 +44,7 @@ from torch import nn
 from . import comm
 from .buffers import BufferCache
 from .flat import FlatUnit
-from .gather_check import GatherCheck
+from .gather_check import GatherCheck, GatherDigest
 from .naming import some_names
 from .param_access import ParamAccess
 from .prefetch import PrefetchPlan
@@ -92,6 +92,7 @@ class ParamGatherer:
         persistence_elements: int,
         persistent_total: int | None = None,
         check: GatherCheck | None = None,
+        digest: GatherDigest | None = None,
         quantize_block: int | None = None,
         secondary: Secondary | None = None,
         scratch: Scratch | None = None,
@@ -110,6 +111,9 @@ class ParamGatherer:
         hands freed heap pages back there: see [Note: host heap trimming])."""
         self.check = check
         """Debug consensus on every gather (see gather_check.py), or None."""
+        self.digest = digest
+        """Running hash of the units this rank issued, checked once per step (see
+        gather_check.py), or None."""
         self._in_place_write: str | None = None
         """What ``_check_unmodified`` last found (see ``take_in_place_write``)."""
         self.prefetch_elements = prefetch_elements
@@ -375,6 +379,8 @@ class ParamGatherer:
     def _issue(self, index: int, phase: Pass | None = None) -> comm.Pending:
         unit = self.units[index]
         buffer = self.cache.take(unit.padded_numel)
+        if self.digest is not None:
+            self.digest.add(index)
         pending = self._gather_into(index, buffer, phase=phase)
         self._live[index] = _Live(buffer, pending)
         self._by_storage[buffer.untyped_storage().data_ptr()] = index

@@ -9,6 +9,14 @@ is preceded by one all-reduce of (index, -index) under MAX, on a process group o
 own (so it never interleaves with the ring's point-to-point traffic on the engine's
 group): the ranks agree exactly when the result is (index, -index) everywhere; if not,
 each rank learns every rank's unit and raises the same error naming them.
+
+Without the debug mode, ``GatherDigest`` keeps the divergence from going unnoticed at
+a small fixed cost: each rank folds the index of every gather it issues (forward,
+backward, prefetch, persistent) into an order-sensitive running hash, and once per
+optimizer step, before anything is applied, the ranks compare hashes with one
+all-reduce of (h, -h) under MAX on a group of their own. On a mismatch every rank
+raises and the engine discards the step's gradients; the debug mode then names the
+units at the first divergent gather.
 """
 
 from __future__ import annotations
@@ -52,3 +60,42 @@ class GatherCheck:
         names = [s.names[0] for s in self.units[index].slots]
         shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
         return f"unit {index} [{shown}]"
+
+
+_MODULUS = 2**61 - 1
+_MULTIPLIER = 1_000_003
+
+
+class GatherDigest:
+    """Per-step consensus on the sequence of gathers. See [Note: rank-divergent control
+    flow]: a running hash of the unit indices issued, compared across ranks by ``check``."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        ranks = ranks or list(range(dist.get_world_size()))
+        self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.value = 0
+        """The hash of the gathers issued since the last check (0: none)."""
+
+    def add(self, index: int) -> None:
+        """Fold one issued gather of unit ``index`` into the hash (same on every rank for
+        the same sequence: integer arithmetic only)."""
+        self.value = (self.value * _MULTIPLIER + index + 1) % _MODULUS
+
+    def check(self) -> None:
+        """Compare this rank's hash with every rank's and reset it; raise on every rank
+        when they differ."""
+        value, self.value = self.value, 0
+        probe = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group)
+        if probe.tolist() == [value, -value]:
+            return
+        raise RuntimeError(
+            "stage 3: ranks issued different parameter gathers this step (rank-divergent "
+            "control flow: e.g. a Mixture-of-Experts router sending each rank's tokens to "
+            "different experts, or a branch taken on some ranks only), so some ranks may "
+            "have received another unit's shard of the same size. The step's gradients "
+            "were discarded and the weights are unchanged. Set stage3_check_gathers=True "
+            "(or ZEROSERVICE_CHECK_GATHERS=1) to name the units at the first divergent "
+            "gather; train such models at stage 0-2"
+        )
