@@ -57,10 +57,35 @@ def _corrupt(directory, how: str) -> str:
         m["version"] = 99
         manifest.write_text(json.dumps(m))
         return f"{manifest}: format version 99 is not supported"
-    raise AssertionError(how)
+    # Hand edits the checksums do not cover, each of which loaded garbage or failed
+    # after the state was written.
+    manifest = directory / "manifest.json"
+    m = json.loads(manifest.read_text())
+    if how in ("dtype", "int master"):
+        kind, dtype = ("exp_avg", "float16") if how == "dtype" else ("master", "int32")
+        seg = next(s for s in m["segments"] if s["kind"] == kind)
+        seg["dtype"] = dtype
+        elements = seg["end"] - seg["start"]
+        said = {
+            "dtype": f"is {seg['bytes']} bytes in the manifest, but {elements} elements of "
+            "float16 are",
+            "int master": "is int32 in the manifest; masters and optimizer states are",
+        }[how]
+    elif how == "scalar":
+        m["optimizer"]["scalars"]["step"]["value"] = "x"
+        said = "malformed manifest (TypeError"
+    elif how == "rng":
+        m["rng"][0]["torch"] = "AAAA"
+        said = "rank 0's malformed random state"
+    else:
+        raise AssertionError(how)
+    manifest.write_text(json.dumps(m))
+    return said
 
 
-@pytest.mark.parametrize("how", ["missing", "truncated", "checksum", "version"])
+@pytest.mark.parametrize(
+    "how", ["missing", "truncated", "checksum", "version", "dtype", "int master", "scalar", "rng"]
+)
 def test_fault_is_named_and_resume_falls_back(three_saves, how):
     root, dirs = three_saves
     newest = dirs[-1]

@@ -70,6 +70,24 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+def _check_segment(seg: dict[str, Any], dtype: torch.dtype, size: int, where, what: str) -> None:
+    """A segment's description agrees with itself: its bytes are its elements in its
+    dtype, and masters and optimizer states are floating point. The checksums cover
+    the bytes alone, so a dtype edited in the manifest (exp_avg read as float16, a
+    master as int32) would otherwise load garbage without a word."""
+    elements = seg["end"] - seg["start"]
+    if seg["bytes"] != elements * size:
+        raise CheckpointError(
+            f"{where}: {what} is {seg['bytes']} bytes in the manifest, but {elements} "
+            f"elements of {seg['dtype']} are {elements * size}"
+        )
+    if seg.get("kind") != "buffer" and not dtype.is_floating_point:
+        raise CheckpointError(
+            f"{where}: {what} is {seg['dtype']} in the manifest; masters and optimizer "
+            "states are floating point"
+        )
+
+
 class SegmentReader:
     """Reads element ranges of segments from rank files, checking the blocks it reads."""
 
@@ -109,6 +127,7 @@ class SegmentReader:
         into it, with no staging copy."""
         dtype = dtype_of(seg["dtype"])
         size = torch.empty((), dtype=dtype).element_size()
+        _check_segment(seg, dtype, size, self.directory / seg["file"], what)
         lo, hi = start * size, end * size
         first, last = lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES
         block_lo = first * BLOCK_BYTES

@@ -15,7 +15,9 @@ next newest one.
 from __future__ import annotations
 
 import base64
+import binascii
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -205,6 +207,7 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
             reader.check_files(plan.files)
             plan.run(reader, apply=None)
             # Everything the result needs is read before anything is written.
+            prepared = _prepare(state, manifest, directory)
             result = LoadResult(
                 directory,
                 manifest["step"],
@@ -217,7 +220,7 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
             mismatch = str(exc)
         except (CheckpointError, OSError) as exc:
             error = str(exc)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
             error = f"{directory}: malformed manifest ({type(exc).__name__}: {exc})"
         # Every rank decides alike: a mismatch one rank found (a parameter only its shard
         # holds) is raised by all, where the others used to wait in their next collective.
@@ -225,7 +228,7 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
         errors = _all_errors(error, state.group)
         if not (mismatches or errors):
             assert plan is not None and reader is not None
-            _apply(state, plan, reader)
+            _apply(state, plan, reader, prepared=prepared)
             reader.close()
             return result
         if reader is not None:
@@ -298,15 +301,47 @@ def zero_masters(state: ShardedState) -> None:
         master.data.zero_()
 
 
-def _apply(state: ShardedState, plan: _Plan, reader: Reader, zeroed: bool = False) -> None:
+@dataclass
+class _Prepared:
+    """What a load sets beside the tensors, decoded and checked before anything is
+    written: a malformed scalar or random state fails the load, not half of it."""
+
+    scalars: dict[str, Any]
+    rng: Callable[[], None] | None
+
+
+def _prepare(state: ShardedState, manifest: dict[str, Any], source: object = "") -> _Prepared:
+    scalars: dict[str, Any] = {}
+    for key, spec in manifest.get("optimizer", {}).get("scalars", {}).items():
+        if "dtype" in spec:
+            value = torch.tensor(spec["value"], dtype=dtype_of(spec["dtype"]))
+            scalars[key] = value.reshape(spec["shape"])
+        else:
+            scalars[key] = spec["value"]
+    rng = manifest.get("rng", [])
+    saved = rng[state.rank] if state.rank < len(rng) else None
+    try:
+        return _Prepared(scalars, None if saved is None else _rng_restorer(saved))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source}: rank {state.rank}'s {exc}") from None
+
+
+def _apply(
+    state: ShardedState,
+    plan: _Plan,
+    reader: Reader,
+    zeroed: bool = False,
+    prepared: _Prepared | None = None,
+) -> None:
     """Write the checked checkpoint into ``state``'s tensors and this process's random
     generators (those of the old rank with this rank's index, where the source has
     them); the engine then applies the counters and publishes the parameters.
     ``zeroed``: the caller ran zero_masters before its reader wrote into them."""
+    if prepared is None:
+        prepared = _prepare(state, plan.manifest)
     if not zeroed:
         zero_masters(state)
     plan.run(reader, apply=state)
-    scalars = plan.manifest.get("optimizer", {}).get("scalars", {})
     for master in state.masters:  # the trainable units' (frozen ones have none)
         per_param = state.optimizer.state[master]
         # A shard holding only padding read no segment: its state is still whole
@@ -315,26 +350,39 @@ def _apply(state: ShardedState, plan: _Plan, reader: Reader, zeroed: bool = Fals
         for kind in plan.kinds:
             if kind != "master" and kind not in per_param:
                 per_param[kind] = torch.zeros_like(master.detach())
-        for key, spec in scalars.items():
-            if "dtype" in spec:
-                value = torch.tensor(spec["value"], dtype=dtype_of(spec["dtype"]))
-                per_param[key] = value.reshape(spec["shape"]).to(master.device)
-            else:
-                per_param[key] = spec["value"]
-    rng = plan.manifest.get("rng", [])
-    if state.rank < len(rng) and rng[state.rank] is not None:
-        _restore_rng(rng[state.rank])
+        for key, value in prepared.scalars.items():
+            # A tensor of its own per master: optimizers step it in place (Adam's step).
+            tensor = isinstance(value, torch.Tensor)
+            per_param[key] = value.to(master.device, copy=True) if tensor else value
+    if prepared.rng is not None:
+        prepared.rng()
 
 
 def _bytes(encoded: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.uint8)
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(_bytes(state["torch"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_bytes(s) for s in state["cuda"]])
+def _rng_restorer(state: dict[str, Any]) -> Callable[[], None]:
+    """Decode one rank's saved random states, each checked on a generator of its own;
+    return what sets them in this process."""
+    try:
+        cpu = _bytes(state["torch"])
+        torch.Generator().set_state(cpu)
+        version, internal, gauss = state["python"]
+        python = (version, tuple(internal), gauss)
+        random.Random().setstate(python)
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+        np.random.RandomState().set_state(numpy)
+        cuda = [_bytes(s) for s in state["cuda"] or ()]
+    except (KeyError, TypeError, ValueError, RuntimeError, binascii.Error) as exc:
+        raise CheckpointError(f"malformed random state ({type(exc).__name__}: {exc})") from None
+
+    def restore() -> None:
+        torch.set_rng_state(cpu)
+        random.setstate(python)
+        np.random.set_state(numpy)
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+
+    return restore
