@@ -41,6 +41,7 @@ from torch.nn.modules.module import _global_forward_hooks
 from torch.nn.utils.parametrize import ParametrizationList
 
 from .buffers import Arena
+from .config import ConfigError
 from .naming import some_names
 from .recompute_buffers import BufferWrites, as_before
 from .tensor_parallel import MPGroup
@@ -487,6 +488,26 @@ def check_replayable(
             "its loss term would train nothing. Remove the hooks (for a transformers MoE "
             "model, output_router_logits=False), or turn activation_checkpointing off (a "
             "transformers model may use its own gradient_checkpointing_enable())"
+        )
+
+
+def check_not_checkpointed_twice(module: nn.Module) -> None:
+    """Refuse a model that checkpoints its own blocks (transformers'
+    ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing`` on its modules):
+    each block would be checkpointed inside the engine's checkpoint, recomputed twice,
+    and torch's checkpoint fails in backward ("a different number of tensors was
+    saved") or, where it does not, computes what neither scheme meant."""
+    own = [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
+    if own:
+        raise ConfigError(
+            f"activation_checkpointing: the model checkpoints its own blocks "
+            f"(gradient_checkpointing on in {some_names(own, 3)}, as transformers' "
+            "gradient_checkpointing_enable() sets it): use one of the two "
+            "(model.gradient_checkpointing_disable(), or activation_checkpointing off)"
         )
 
 

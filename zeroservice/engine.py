@@ -25,6 +25,7 @@ from . import comm, construct
 from .activations import (
     ActivationCheckpointer,
     CheckpointStore,
+    check_not_checkpointed_twice,
     checkpointed_modules,
     turn_cache_off,
 )
@@ -318,6 +319,7 @@ class Engine:
                     "activation_checkpointing: the model has no nn.ModuleList of blocks to "
                     "checkpoint"
                 )
+            check_not_checkpointed_twice(module)
             turn_cache_off(module)
             self.activations = CheckpointStore(
                 self.mp,

@@ -90,12 +90,25 @@ def _checkpointed_gpt2(steps: int) -> dict:
             refused = str(e)
         engine.close()
         out[stage] = {
+            "twice": _checkpointed_twice() if stage == 0 else None,
             "losses": losses,
             "warned": [str(w.message) for w in caught if "use_cache" in str(w.message)],
             "use_cache": model.config.use_cache,
             "refused": refused,
         }
     return out
+
+
+def _checkpointed_twice() -> str | None:
+    model = _gpt2()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        zeroservice.initialize(
+            model, {"activation_checkpointing": True}, lambda ps: torch.optim.AdamW(ps)
+        ).close()
+    except zeroservice.ConfigError as e:
+        return str(e)
+    return None
 
 
 def test_a_transformers_decoder_trains_checkpointed_without_its_cache():
@@ -111,6 +124,10 @@ def test_a_transformers_decoder_trains_checkpointed_without_its_cache():
         assert r["refused"] is not None, stage
         assert "transformer.h.0 is called with a key/value cache" in r["refused"], r["refused"]
         assert "use_cache=False" in r["refused"]
+    # Its own gradient checkpointing and the engine's: refused at initialize.
+    twice = out[0]["twice"]
+    assert twice is not None and "the model checkpoints its own blocks" in twice, twice
+    assert "gradient_checkpointing on in transformer, transformer.h.0" in twice, twice
 
 
 class _Student(nn.Module):
