@@ -149,6 +149,18 @@ def test_a_mismatch_that_one_rank_holds_is_raised_on_every_rank(three_saves):
         assert f"no entry for parameter {renamed}" in message, messages
 
 
+def test_a_checkpoint_holding_a_parameter_the_model_lacks_is_refused(three_saves):
+    """It loaded without a word, dropping that parameter (strict=True refuses it)."""
+    root, dirs = three_saves
+    manifest = dirs[-1] / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["params"].append({"name": "extra", "names": ["extra"], "shape": [3], "numel": 3})
+    manifest.write_text(json.dumps(m))
+    for message in run_local(sc.try_load, 2, SPEC, str(root), timeout_s=120):
+        assert message.startswith("CheckpointMismatch"), message
+        assert "holds parameters this model does not have: extra" in message, message
+
+
 def test_a_manifest_missing_what_the_result_needs_is_skipped_before_anything_is_written(
     three_saves,
 ):

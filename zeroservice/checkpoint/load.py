@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..naming import some_names
 from .files import CheckpointError, SegmentReader, dtype_of
 from .layout import Piece, held_pieces
 from .manifest import candidates, read_manifest
@@ -74,6 +75,7 @@ class _Plan:
         self.source, self.manifest = source, manifest
         self.kinds: list[str] = manifest.get("kinds", ["master"])
         by_name = {n: p for p in manifest["params"] for n in p["names"]}
+        _check_names(state, manifest, source)
         index: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for seg in manifest["segments"]:
             index.setdefault((seg["param"], seg["kind"]), []).append(seg)
@@ -166,6 +168,29 @@ def _match(piece: Piece, by_name: dict[str, dict[str, Any]], source: Location) -
                 )
             return saved
     raise CheckpointMismatch(f"{source}: no entry for parameter {' / '.join(piece.slot.names)}")
+
+
+def _check_names(state: ShardedState, manifest: dict[str, Any], source: object) -> None:
+    """Every parameter of the model has an entry, and every entry a parameter (as
+    ``load_state_dict(strict=True)`` checks): an entry this model has none of is another
+    model's, and would be dropped without a word. Every rank reads the whole model's
+    names, so all decide alike. A tied parameter matches by any of its names."""
+    ours = [slot.names for unit in state.units for slot in unit.slots]
+    theirs = {n for p in manifest["params"] for n in p["names"]}
+    known = {n for names in ours for n in names}
+    missing = [names[0] for names in ours if not theirs.intersection(names)]
+    strangers = [p["name"] for p in manifest["params"] if not known.intersection(p["names"])]
+    said = []
+    if missing:
+        said.append(f"no entry for parameter {some_names(missing, 5)}")
+    if strangers:
+        said.append(
+            f"the checkpoint holds parameters this model does not have: "
+            f"{some_names(strangers, 5)} (a checkpoint of another model, or of this one "
+            "with its weights untied where this model ties them)"
+        )
+    if said:
+        raise CheckpointMismatch(f"{source}: {'; '.join(said)}")
 
 
 def _target(state: ShardedState, unit_index: int, kind: str) -> torch.Tensor:
