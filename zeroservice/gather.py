@@ -161,6 +161,15 @@ class ParamGatherer:
             self._handles.append(
                 module.register_forward_hook(partial(self.post_forward, is_root), always_call=True)
             )
+        self._entered: list[bool] = []
+        """Per container forward running, whether it opened the root's window (see
+        [Note: a sub-module called directly])."""
+        root_indices = next(indices for module, indices in groups if module is root)
+        for container in _containers(root, [m for m, _ in groups]):
+            self._handles.append(
+                container.register_forward_pre_hook(partial(self._enter, root_indices))
+            )
+            self._handles.append(container.register_forward_hook(self._leave, always_call=True))
         comm.wait_all([self._issue(i) for i in sorted(self.persistent)])
 
     # -- what modules see ---------------------------------------------------------
@@ -213,6 +222,27 @@ class ParamGatherer:
                 self._use(index, window, graph)
             if self._run is not None:
                 self._run.add(index)
+
+    def _enter(self, root_indices: list[int], module, args) -> None:
+        """A container's forward begins: called directly (no window open, not a
+        recomputation), it opens the root's window as the root's own forward would.
+
+        [Note: a sub-module called directly]
+        The root's window holds the units no single group owns: a weight tied across
+        modules (an embedding shared by an encoder, a decoder and the head). Called
+        through the root they are gathered; a sub-module called on its own (T5's
+        ``generate`` runs ``model.encoder(...)`` first; a user embeds with
+        ``model.bert(...)``) read them as empty placeholders and failed inside torch
+        ("'weight' must be 2-D"). So each module that holds groups without being one
+        opens the root's window when it is entered with none open."""
+        opened = not self._windows and self._recomputing == 0
+        self._entered.append(opened)
+        if opened:
+            self.pre_forward(root_indices, True, module, args)
+
+    def _leave(self, module, args, output) -> None:
+        if self._entered.pop():
+            self.post_forward(True, module, args, output)
 
     @contextlib.contextmanager
     def recomputing(self):
@@ -507,3 +537,16 @@ def _persistent_units(units: list[FlatUnit], largest: int, total: int | None) ->
         chosen.add(unit.index)
         held += unit.padded_numel
     return chosen
+
+
+def _containers(root: nn.Module, groups: list[nn.Module]) -> list[nn.Module]:
+    """Modules below the root that hold a group without being one (see [Note: a
+    sub-module called directly])."""
+    group_ids = {id(g) for g in groups}
+    found: dict[int, nn.Module] = {}
+    for module in root.modules():
+        if module is root or id(module) in group_ids:
+            continue
+        if any(id(m) in group_ids for m in module.modules()):
+            found.setdefault(id(module), module)
+    return list(found.values())
