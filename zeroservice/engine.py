@@ -271,7 +271,7 @@ class Engine:
                 persistence_elements=budget.persistence_elements,
                 persistent_total=budget.persistent_total,
                 check=GatherCheck(group, self.units) if config.stage3_check_gathers else None,
-                digest=GatherDigest(group) if self.dp_world > 1 else None,
+                digest=GatherDigest(group, self._interrupt) if self.dp_world > 1 else None,
                 quantize_block=config.quantization_block if config.quantized_weights else None,
                 secondary=(
                     Secondary(self.node_groups)

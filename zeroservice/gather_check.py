@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .flat import FlatUnit
+from .interrupt import Interrupt
 
 
 class GatherCheck:
@@ -70,10 +71,13 @@ class GatherDigest:
     """Per-step consensus on the sequence of gathers. See [Note: rank-divergent control
     flow]: a running hash of the unit indices issued, compared across ranks by ``check``."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, interrupt: Interrupt | None = None):
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         ranks = ranks or list(range(dist.get_world_size()))
         self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.interrupt = interrupt
+        """The engine's: a rank whose peer is lost during the comparison gives it up
+        (see [Note: interrupting a collective] in interrupt.py)."""
         self.value = 0
         """The hash of the gathers issued since the last check (0: none)."""
 
@@ -87,7 +91,12 @@ class GatherDigest:
         when they differ."""
         value, self.value = self.value, 0
         probe = torch.tensor([value, -value], dtype=torch.int64)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None
+        if self.interrupt is not None:
+            self.interrupt.run(work.wait)
+        else:
+            work.wait()
         if probe.tolist() == [value, -value]:
             return
         raise RuntimeError(
