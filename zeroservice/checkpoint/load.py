@@ -247,8 +247,9 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
             error = str(exc)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
             error = f"{directory}: malformed manifest ({type(exc).__name__}: {exc})"
-        # Every rank decides alike: a mismatch one rank found (a parameter only its shard
-        # holds) is raised by all, where the others used to wait in their next collective.
+        # Every rank decides alike: a mismatch one rank found (a shape only a piece of its
+        # shard shows) is raised by all, where the others used to wait in their next
+        # collective.
         mismatches = _all_errors(mismatch, state.group)
         errors = _all_errors(error, state.group)
         if not (mismatches or errors):
