@@ -14,7 +14,7 @@ Without the debug mode, ``GatherDigest`` keeps the divergence from going unnotic
 a small fixed cost: each rank folds the index of every gather it issues (forward,
 backward, prefetch, persistent) into an order-sensitive running hash, and once per
 optimizer step, before anything is applied, the ranks compare hashes with one
-all-reduce of (h, -h) under MAX on a group of their own. On a mismatch every rank
+all-reduce of (h, -h) under MAX on the engine's group. On a mismatch every rank
 raises and the engine discards the step's gradients; the debug mode then names the
 units at the first divergent gather.
 """
@@ -72,9 +72,14 @@ class GatherDigest:
     flow]: a running hash of the unit indices issued, compared across ranks by ``check``."""
 
     def __init__(self, group: dist.ProcessGroup | None, interrupt: Interrupt | None = None):
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        ranks = ranks or list(range(dist.get_world_size()))
-        self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.group = group
+        """The engine's data-parallel group: at the step nothing else is in flight on it
+        (backward's gathers and reductions are done, the next forward's not begun), as
+        for the gradient norm's all-reduce. A group of its own would be formed by
+        ``new_group(use_local_synchronization=True)``, whose name counts the groups each
+        rank formed before: ranks that had formed different ones (an engine over a
+        subgroup, then one over the whole group after a grow) waited for each other
+        forever."""
         self.interrupt = interrupt
         """The engine's: a rank whose peer is lost during the comparison gives it up
         (see [Note: interrupting a collective] in interrupt.py)."""
