@@ -81,6 +81,15 @@ def mean_over_ranks(value: float, group=None) -> float:
     return t.item() / dist.get_world_size(group)
 
 
+def average_gradients(model: nn.Module) -> None:
+    """Data parallelism written out by hand: each gradient summed over the ranks and
+    divided by their number (a parameter without one is left alone)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 def token_batches(vocab: int, seq: int, seed: int, batch: int = 2):
     """``batches(step, accum)``: this rank's micro-batches of a synthetic token stream."""
     data = SyntheticTokens(vocab, seq, seed=seed)

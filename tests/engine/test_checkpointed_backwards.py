@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroservice
-from tests.engine.harness import mean_over_ranks
+from tests.engine.harness import average_gradients, mean_over_ranks
 from zeroservice.launch import run_local
 
 STEPS = 4
@@ -95,10 +95,8 @@ def _by_hand(recipe: Callable) -> list[float]:
     for step in range(STEPS):
         loss = recipe(model, step)
         loss.backward()
-        for p in model.parameters():
-            assert p.grad is not None
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
+        assert all(p.grad is not None for p in model.parameters())
+        average_gradients(model)
         opt.step()
         opt.zero_grad()
         out.append(mean_over_ranks(loss.item()))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroservice
-from tests.engine.harness import mean_over_ranks
+from tests.engine.harness import average_gradients, mean_over_ranks
 from zeroservice.launch import run_local
 
 STAGES = (0, 1, 2, 3)
@@ -55,10 +55,7 @@ def _by_hand(model: nn.Module, steps: int) -> list[float]:
         ids = _tokens(step)
         loss = model(ids, labels=ids).loss
         loss.backward()
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
+        average_gradients(model)
         opt.step()
         opt.zero_grad()
         losses.append(mean_over_ranks(loss.item()))
