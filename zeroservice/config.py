@@ -284,7 +284,9 @@ class ZeroConfig:
     on a group of its own) that all ranks gather the same unit, and raises naming each
     rank's unit when they do not (rank-divergent control flow would otherwise hand a
     rank another unit's shard of the same size). Off by default (one extra collective
-    per gather); ``ZEROSERVICE_CHECK_GATHERS=1`` turns it on (the test suite does)."""
+    per gather); ``ZEROSERVICE_CHECK_GATHERS=1`` turns it on (the test suite does).
+    Without it a divergence is still refused, at the step, naming no unit (see
+    [Note: rank-divergent control flow] in gather_check.py)."""
     activation_checkpointing: bool = False
     """Checkpoint every item of every nn.ModuleList (the transformer blocks): forward
     keeps only each block's input and backward recomputes the block."""
