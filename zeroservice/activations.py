@@ -381,14 +381,16 @@ class ActivationCheckpointer:
         self._used_directly: set[int] = set()
         """Parameters of a block called with a graph but not checkpointed (no tensor
         input) since the last backward."""
-        self._inner_forwards = {
-            id(m): m.__dict__.get("forward")
-            for _, block in modules
-            for m in block.modules()
-            if m is not block
+        self._inner = {
+            id(block): [
+                (f"{name}.{sub}" if name else sub, m, m.__dict__.get("forward"))
+                for sub, m in block.named_modules()
+                if m is not block
+            ]
+            for name, block in modules
         }
-        """Per module inside a block, the forward its instance carried at initialize (see
-        [Note: what a recomputation cannot replay])."""
+        """Per block, each module inside it: its name and the forward its instance
+        carried at initialize (see [Note: what a recomputation cannot replay])."""
         for name, module in modules:
             if "forward" in module.__dict__:
                 what = name or "the model"
@@ -422,7 +424,7 @@ class ActivationCheckpointer:
                     f"activation checkpointing: {name} receives a second tensor that needs a "
                     "gradient; only the first positional argument is checkpointed"
                 )
-        check_replayable(name, module, rest, kwargs, self._inner_forwards)
+        check_replayable(name, rest, kwargs, self._inner[id(module)])
 
         def run(inp: torch.Tensor):
             return original(inp, *rest, **kwargs)
@@ -453,10 +455,11 @@ class ActivationCheckpointer:
 
 
 def check_replayable(
-    name: str, module: nn.Module, args: tuple, kwargs: dict, forwards: dict[int, Any]
+    name: str, args: tuple, kwargs: dict, inner: list[tuple[str, nn.Module, Any]]
 ) -> None:
     """Refuse what a recomputation cannot reproduce. See [Note: what a recomputation
-    cannot replay]. ``forwards``: per inner module, its instance's forward at initialize."""
+    cannot replay]. ``inner``: the block's modules, each with its name and its
+    instance's forward at initialize."""
     what = name or "the model"
     for key, value in [*((f"argument {i + 1}", v) for i, v in enumerate(args)), *kwargs.items()]:
         if _is_cache(value):
@@ -468,13 +471,9 @@ def check_replayable(
                 "model.config.use_cache = False)"
             )
     hooked = [
-        f"{name}.{sub}" if name and sub else sub or what
-        for sub, m in module.named_modules()
-        if m is not module
-        and (
-            _foreign_hooks(m._forward_hooks)
-            or m.__dict__.get("forward") is not forwards.get(id(m), m.__dict__.get("forward"))
-        )
+        where
+        for where, m, forward in inner
+        if _foreign_hooks(m._forward_hooks) or m.__dict__.get("forward") is not forward
     ]
     if _foreign_hooks(_global_forward_hooks):
         hooked.insert(0, "every module (a global forward hook)")

@@ -81,6 +81,23 @@ def mean_over_ranks(value: float, group=None) -> float:
     return t.item() / dist.get_world_size(group)
 
 
+class ResidualBlocks(nn.Module):
+    """A tiny model of residual blocks, the nn.ModuleList activation checkpointing takes:
+    8 features in, 4 classes out, each block built by ``block`` (16 features)."""
+
+    def __init__(self, block: Callable[[], nn.Module], depth: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
 def average_gradients(model: nn.Module) -> None:
     """Data parallelism written out by hand: each gradient summed over the ranks and
     divided by their number (a parameter without one is left alone)."""

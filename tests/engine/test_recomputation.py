@@ -23,33 +23,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parametrizations
 
 import zeroservice
-from tests.engine.harness import mean_over_ranks
+from tests.engine.harness import ResidualBlocks, mean_over_ranks
 from zeroservice.launch import run_local
 
 STEPS = 4
 STAGES = (0, 1, 2, 3)
 
 
-class _Normed(nn.Module):
+def _normed(kind: str) -> nn.Module:
     """Blocks (the checkpointed ModuleList) holding BatchNorm or a spectral norm."""
 
-    def __init__(self, kind: str):
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
+    def block() -> nn.Module:
+        if kind == "batchnorm":
+            return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())
+        return nn.Sequential(parametrizations.spectral_norm(nn.Linear(16, 16)), nn.Tanh())
 
-        def block() -> nn.Module:
-            if kind == "batchnorm":
-                return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())
-            return nn.Sequential(parametrizations.spectral_norm(nn.Linear(16, 16)), nn.Tanh())
-
-        self.blocks = nn.ModuleList(block() for _ in range(2))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(h)
+    return ResidualBlocks(block)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +79,11 @@ def _both() -> dict:
     out = {}
     for kind in ("batchnorm", "spectral"):
         torch.manual_seed(0)
-        out[(kind, "ddp")] = _run(DDP(_Normed(kind)), kind, None)
+        out[(kind, "ddp")] = _run(DDP(_normed(kind)), kind, None)
         for stage in STAGES:
             torch.manual_seed(0)
             engine = zeroservice.initialize(
-                _Normed(kind),
+                _normed(kind),
                 {"stage": stage, "activation_checkpointing": True},
                 _optimizer(kind),
             )
@@ -127,7 +116,7 @@ def test_a_recomputed_block_writes_its_buffers_once_per_step(runs, kind, stage):
 def _autocast(stage: int, checkpointed: bool) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     engine = zeroservice.initialize(
-        _Normed("spectral"),
+        _normed("spectral"),
         {"stage": stage, "activation_checkpointing": checkpointed},
         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     )

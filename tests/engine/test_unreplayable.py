@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroservice
-from tests.engine.harness import average_gradients, mean_over_ranks
+from tests.engine.harness import ResidualBlocks, average_gradients, mean_over_ranks
 from zeroservice.launch import run_local
 
 STAGES = (0, 1, 2, 3)
@@ -127,26 +127,10 @@ def test_a_transformers_decoder_trains_checkpointed_without_its_cache():
     assert "gradient_checkpointing on in transformer, transformer.h.0" in twice, twice
 
 
-class _Student(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)) for _ in range(2)
-        )
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return self.head(h)
-
-
 def _kept(how: str, stage: int) -> dict:
     """A distillation-style loss on features an inner module's output gives."""
     torch.manual_seed(0)
-    model = _Student()
+    model = ResidualBlocks(lambda: nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)))
     engine = zeroservice.initialize(
         model,
         {"stage": stage, "activation_checkpointing": True},

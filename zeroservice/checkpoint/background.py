@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from .files import CheckpointError, atomic_write_bytes
-from .manifest import step_dir_name, write_manifest
+from .manifest import MANIFEST, step_dir_name, write_manifest
 from .save import (
     assemble,
     check_savable,
@@ -25,6 +25,7 @@ from .save import (
     per_element_kinds,
     prune,
     rank_file_name,
+    remove_replaced,
     rng_state,
     snapshot_items,
     write_items,
@@ -83,14 +84,13 @@ def save_in_background(
     directory = root / step_dir_name(state.counters.global_steps)
     rank, world = state.rank, state.world
     store.make_dirs(directory)
-    # A step saved again keeps its committed checkpoint until the new one commits
-    # (see [Note: failed save] in save.py).
-    committed = committed_files(directory)
     kinds, scalars = per_element_kinds(state)
     items = snapshot_items(state, kinds, copy=True)
     header = manifest_header(state, kinds, scalars, client_state) if rank == 0 else None
     rng = rng_state()
-    name = rank_file_name(rank, committed is not None)
+    # A step saved again keeps its committed checkpoint until the new one commits
+    # (see [Note: failed save] in save.py).
+    name = rank_file_name(directory, rank)
 
     def report_path(r: int) -> Location:
         return directory / f"rank-{r:05d}.report-{sequence}.json"
@@ -127,17 +127,17 @@ def save_in_background(
         if failed:
             for r in range(world):
                 store.remove(report_path(r))
-            if committed is not None:  # the committed checkpoint stays whole
+            if store.is_file(directory / MANIFEST):  # the committed checkpoint stays whole
                 for r in reports:
                     if "file" in r:
                         store.remove(directory / r["file"])
             raise CheckpointError(f"not committed: {'; '.join(failed)}")
         assert header is not None
+        replaced = committed_files(directory)
         write_manifest(directory, assemble(header, reports))
         for r in range(world):
             store.remove(report_path(r))
-        for old in set(committed or ()) - {r["file"] for r in reports}:
-            store.remove(directory / old)
+        remove_replaced(directory, replaced, reports)
         prune(root, keep)
 
     return SaveHandle(directory).start(write)

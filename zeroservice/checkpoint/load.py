@@ -82,7 +82,8 @@ class _Plan:
         self.reads: dict[tuple[int, str], list[Read]] = {}
         self.files: set[str] = set()
         for piece in held_pieces(state.units, state.whole):
-            saved = _match(piece, by_name, source)
+            saved = _entry(piece.slot.names, by_name)
+            assert saved is not None  # _check_names
             for kind in ["master"] if piece.unit.frozen else self.kinds:
                 segs = index.get((saved["name"], kind), [])
                 if not segs and kind != "master" and (saved["name"], "master") in index:
@@ -157,32 +158,26 @@ class _Plan:
                     buffer.copy_(data.view(buffer.shape))
 
 
-def _match(piece: Piece, by_name: dict[str, dict[str, Any]], source: Location) -> dict[str, Any]:
-    for name in piece.slot.names:
-        if name in by_name:
-            saved = by_name[name]
-            if tuple(saved["shape"]) != tuple(piece.slot.shape):
-                raise CheckpointMismatch(
-                    f"{source}: {name} has shape {tuple(saved['shape'])} in the checkpoint, "
-                    f"the model has {tuple(piece.slot.shape)}"
-                )
-            return saved
-    raise CheckpointMismatch(f"{source}: no entry for parameter {' / '.join(piece.slot.names)}")
-
-
 def _check_names(state: ShardedState, manifest: dict[str, Any], source: object) -> None:
-    """Every parameter of the model has an entry, and every entry a parameter (as
-    ``load_state_dict(strict=True)`` checks): an entry this model has none of is another
-    model's, and would be dropped without a word. Every rank reads the whole model's
-    names, so all decide alike. A tied parameter matches by any of its names."""
-    ours = [slot.names for unit in state.units for slot in unit.slots]
-    theirs = {n for p in manifest["params"] for n in p["names"]}
-    known = {n for names in ours for n in names}
-    missing = [names[0] for names in ours if not theirs.intersection(names)]
-    strangers = [p["name"] for p in manifest["params"] if not known.intersection(p["names"])]
+    """Every parameter of the model has an entry of its shape, and every entry a
+    parameter (as ``load_state_dict(strict=True)`` checks): an entry this model has none
+    of is another model's, and would be dropped without a word. Every rank reads the
+    whole model's parameters, not its shard's, so all decide alike. A tied parameter
+    matches by any of its names."""
+    slots = [slot for unit in state.units for slot in unit.slots]
+    by_name = {n: p for p in manifest["params"] for n in p["names"]}
     said = []
-    if missing:
-        said.append(f"no entry for parameter {some_names(missing, 5)}")
+    for slot in slots:
+        saved = _entry(slot.names, by_name)
+        if saved is None:
+            said.append(f"no entry for parameter {' / '.join(slot.names)}")
+        elif tuple(saved["shape"]) != tuple(slot.shape):
+            said.append(
+                f"{slot.names[0]} has shape {tuple(saved['shape'])} in the checkpoint, "
+                f"the model has {tuple(slot.shape)}"
+            )
+    known = {n for slot in slots for n in slot.names}
+    strangers = [p["name"] for p in manifest["params"] if not known.intersection(p["names"])]
     if strangers:
         said.append(
             f"the checkpoint holds parameters this model does not have: "
@@ -190,7 +185,11 @@ def _check_names(state: ShardedState, manifest: dict[str, Any], source: object) 
             "with its weights untied where this model ties them)"
         )
     if said:
-        raise CheckpointMismatch(f"{source}: {'; '.join(said)}")
+        raise CheckpointMismatch(f"{source}: {some_names(said, 5)}")
+
+
+def _entry(names: list[str], by_name: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    return next((by_name[n] for n in names if n in by_name), None)
 
 
 def _target(state: ShardedState, unit_index: int, kind: str) -> torch.Tensor:

@@ -38,7 +38,15 @@ import torch.distributed as dist
 
 from .files import CheckpointError, SaveFailed, atomic_file, fsync_dir, write_segment
 from .layout import held_pieces
-from .manifest import FORMAT, MANIFEST, VERSION, candidates, step_dir_name, write_manifest
+from .manifest import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    candidates,
+    read_manifest,
+    step_dir_name,
+    write_manifest,
+)
 from .state import ShardedState
 from .storage import Location, Where, location, storage_for
 
@@ -197,10 +205,8 @@ def save_checkpoint(
     group, rank = state.group, state.rank
     failure = _attempt(rank == 0, "create the step directory", lambda: _open_step(directory))
     _agree(failure, directory, state)  # every rank goes on only once it exists
-    # Read by every rank before rank 0 commits (after the all-gather below).
-    committed = committed_files(directory)
     kinds, scalars = per_element_kinds(state)
-    name = rank_file_name(rank, committed is not None)
+    name = rank_file_name(directory, rank)  # before rank 0 commits, after the all-gather
     report: dict[str, Any] = {"file": name}
     try:
         report["segments"] = write_rank_file(directory / name, state, kinds)
@@ -213,35 +219,38 @@ def save_checkpoint(
     errors = [r["error"] for r in reports if "error" in r]
     if rank == 0 and not errors:
         header = manifest_header(state, kinds, scalars, client_state)
+        replaced = committed_files(directory)
         commit = lambda: write_manifest(directory, assemble(header, reports))  # noqa: E731
         failure = _attempt(True, "commit", commit)
         errors = [failure] if failure else []
         if not errors:
-            mine = {r["file"] for r in reports}
-            for old in set(committed or ()) - mine:  # the step's previous files
-                storage_for(directory).remove(directory / old)
+            remove_replaced(directory, replaced, reports)
             prune(root, keep)
     written = [r["file"] for r in reports]
     _agree("; ".join(errors) or None, directory, state, written)
     return directory
 
 
-def rank_file_name(rank: int, beside_committed: bool) -> str:
-    """A rank file's name; beside a committed checkpoint of the same step, a new one
-    (see [Note: failed save])."""
-    if beside_committed:
+def rank_file_name(directory: Location, rank: int) -> str:
+    """A rank file's name; beside a checkpoint already committed in ``directory`` (the
+    same step saved again), a new one (see [Note: failed save])."""
+    if storage_for(directory).is_file(directory / MANIFEST):
         return f"rank-{rank:05d}.{secrets.token_hex(4)}.bin"
     return f"rank-{rank:05d}.bin"
 
 
-def committed_files(directory: Location) -> list[str] | None:
-    """The rank files of a checkpoint already committed in ``directory``, or None."""
-    if not storage_for(directory).is_file(directory / MANIFEST):
-        return None
+def committed_files(directory: Location) -> list[str]:
+    """The rank files of the checkpoint committed in ``directory`` (none: empty)."""
     try:
-        return list(json.loads(storage_for(directory).read_bytes(directory / MANIFEST))["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return []  # not a sound checkpoint: nothing of it to keep apart
+        return list(read_manifest(directory)["files"])
+    except CheckpointError:
+        return []
+
+
+def remove_replaced(directory: Location, replaced: list[str], reports: list[dict]) -> None:
+    """After a commit: the files of the checkpoint it replaced that it does not use."""
+    for name in set(replaced) - {r["file"] for r in reports}:
+        storage_for(directory).remove(directory / name)
 
 
 def _open_step(directory: Location) -> None:
