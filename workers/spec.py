@@ -391,7 +391,27 @@ class JobSpec(_Strict):
                 )
         if self.data.kind == "text" and self.model.vocab_size < 256:
             raise ValueError("model.vocab_size: text data is bytes, needs vocab_size >= 256")
+        self._leaf_modules_exist()
         return self
+
+    def _leaf_modules_exist(self) -> None:
+        """The reference GPT's ``stage3_leaf_modules`` are checked at submission (the
+        model built on the meta device, no memory): a name that matches nothing would
+        otherwise fail every rank at start. Other model kinds are checked by the ranks."""
+        leaves = self.engine.get("stage3_leaf_modules")
+        if not leaves or not isinstance(self.model, GPTModelSpec):
+            return
+        import torch
+
+        from zeroservice.models import GPT
+        from zeroservice.partition import leaf_modules
+
+        with torch.device("meta"):
+            model = GPT(self.model.gpt_config())
+        try:
+            leaf_modules(model, leaves)
+        except ConfigError as exc:
+            raise ValueError(f"engine.{exc}") from None
 
     def zero_config(self) -> ZeroConfig:
         if self.engine.get("stage") == "auto":

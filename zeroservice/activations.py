@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -555,16 +555,20 @@ def _owned_outside(root: nn.Module, blocks: list[nn.Module]) -> set[int]:
     }
 
 
-def checkpointed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+def checkpointed_modules(root: nn.Module, whole: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:
     """Every item of the outermost nn.ModuleLists: the transformer blocks. A list inside
     an item already found (a block's experts) is recomputed with its block, and a
     parametrization's list (``torch.nn.utils.parametrize``) computes a weight from other
-    parameters at every access: neither is a block of its own."""
+    parameters at every access: neither is a block of its own. Nor is a list inside a
+    module of ``whole`` (stage 3's leaf modules, whose weights exist only inside their
+    own forward: see [Note: leaf modules] in leaf_modules.py)."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         if not isinstance(module, nn.ModuleList) or isinstance(module, ParametrizationList):
             continue
-        if any(name.startswith(f"{outer}.") for outer, _ in found):
+        if any(name.startswith(f"{outer}.") for outer, _ in found) or any(
+            name.startswith(f"{leaf}.") for leaf in whole
+        ):
             continue
         found.extend((f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module))
     return found

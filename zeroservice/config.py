@@ -263,6 +263,13 @@ class ZeroConfig:
     "size": the largest modules of at most ``bucket_elements`` parameters, so that
     gather buffers stay constant as the model grows. Models without a ModuleList fall
     back to "size"."""
+    stage3_leaf_modules: list[str] = field(default_factory=list)
+    """Stage 3: modules (by class name, e.g. "MixtralSparseMoeBlock", or by qualified
+    name) each gathered as one group whose backward gathers and reduces all of its
+    parameters together, whichever this rank's forward used: a Mixture-of-Experts
+    layer, whose router sends each rank's tokens to different experts, then trains as
+    at stage 0. A name that matches no module is refused at ``initialize``. See [Note:
+    leaf modules] in leaf_modules.py."""
     stage3_prefetch_elements: int | None = None
     """Stage 3: budget of gathered (live) parameter elements, counting in-flight
     gathers; the next groups, in the recorded order, are gathered ahead of use only
@@ -352,6 +359,14 @@ class ZeroConfig:
             "stage3_grouping",
             f"{self.stage3_grouping!r} is not 'blocks' or 'size'",
         )
+        leaves = self.stage3_leaf_modules
+        _require(
+            isinstance(leaves, (list, tuple))
+            and all(isinstance(x, str) and x.strip() for x in leaves),
+            "stage3_leaf_modules",
+            f"{_shown(leaves)} must be a list of module class names or qualified names",
+        )
+        self.stage3_leaf_modules = list(leaves)
         for name in ("stage3_prefetch_elements", "stage3_persistence_elements"):
             value = getattr(self, name)
             _require(

@@ -122,6 +122,7 @@ class Engine:
             persistence_elements=config.stage3_persistence_elements,
             stage3_grouping=config.stage3_grouping,
             opt_group=opt_group,
+            stage3_leaf_modules=config.stage3_leaf_modules,
         )
         """How the model is cut into units, and the sizes that keep each stage below the
         one before it (see [Note: stage order] in units.py)."""
@@ -259,7 +260,7 @@ class Engine:
         if self.policy.partitions_params:
             assert cache is not None
             assert self.layout.groups is not None and self.layout.group_units is not None
-            groups = zip(self.layout.groups, self.layout.group_units, strict=True)
+            groups = list(zip(self.layout.groups, self.layout.group_units, strict=True))
             self.gatherer = ParamGatherer(
                 module,
                 [(g.module, idx) for g, idx in groups],
@@ -280,6 +281,7 @@ class Engine:
                 ),
                 scratch=self.quant_scratch,
                 after_unit_backward=trim,
+                leaves=[(g.module, idx) for g, idx in groups if g.leaf],
             )
             guard_placeholders(module, self.units)
         self.optimizer = ShardedOptimizer(
@@ -313,7 +315,8 @@ class Engine:
         self.activations: CheckpointStore | None = None
         self._checkpointer: ActivationCheckpointer | None = None
         if config.activation_checkpointing:
-            blocks = checkpointed_modules(module)
+            leaves = [g.name for g in self.layout.groups or [] if g.leaf]
+            blocks = checkpointed_modules(module, whole=leaves)
             if not blocks:
                 raise ConfigError(
                     "activation_checkpointing: the model has no nn.ModuleList of blocks to "

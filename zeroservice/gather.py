@@ -45,6 +45,7 @@ from . import comm
 from .buffers import BufferCache
 from .flat import FlatUnit
 from .gather_check import GatherCheck, GatherDigest
+from .leaf_modules import LeafBackward
 from .naming import some_names
 from .param_access import ParamAccess
 from .prefetch import PrefetchPlan
@@ -97,6 +98,7 @@ class ParamGatherer:
         secondary: Secondary | None = None,
         scratch: Scratch | None = None,
         after_unit_backward: Callable[[], None] | None = None,
+        leaves: Sequence[tuple[nn.Module, list[int]]] = (),
     ):
         self.root, self.units, self.comm, self.reducer = root, units, communicator, reducer
         self.quantize_block = quantize_block
@@ -153,6 +155,13 @@ class ParamGatherer:
         self.groups = [indices for _, indices in groups]
         """Per group module, the indices of the units its forward gathers."""
         self._handles = []
+        self.leaves = LeafBackward([indices for _, indices in leaves])
+        """Leaf modules' units, gathered and reduced together in backward (see [Note:
+        leaf modules] in leaf_modules.py)."""
+        for k, (module, _) in enumerate(leaves):  # before the groups': see the Note
+            self._handles.append(
+                module.register_forward_pre_hook(partial(self._leaf_called, k), with_kwargs=True)
+            )
         for module, indices in groups:
             is_root = module is root
             self._handles.append(
@@ -204,15 +213,7 @@ class ParamGatherer:
                 self.secondary.clear()  # the weights changed since they were kept
         window: list[int] = []
         self._windows.append(window)
-        # The same test as ActivationCheckpointer._forward: a checkpointed block's first
-        # forward (a tensor input, a graph recorded outside) builds no gather nodes.
-        checkpointed = (
-            torch.is_grad_enabled()
-            and self._recomputing == 0
-            and id(module) in self.checkpointed
-            and bool(args)
-            and isinstance(args[0], torch.Tensor)
-        )
+        checkpointed = self._first_of_checkpointed(module, args)
         if checkpointed:
             self._run = set()
         self._runs.append(self._run if checkpointed else None)
@@ -222,6 +223,37 @@ class ParamGatherer:
                 self._use(index, window, graph)
             if self._run is not None:
                 self._run.add(index)
+
+    def _first_of_checkpointed(self, module: nn.Module, args) -> bool:
+        """The same test as ActivationCheckpointer._forward: a checkpointed block's first
+        forward (a tensor input, a graph recorded outside) builds no gather nodes."""
+        return (
+            torch.is_grad_enabled()
+            and self._recomputing == 0
+            and id(module) in self.checkpointed
+            and bool(args)
+            and isinstance(args[0], torch.Tensor)
+        )
+
+    def _leaf_called(self, leaf: int, module, args, kwargs):
+        """A leaf module's forward begins: one that builds a graph waits for its inputs'
+        gradients to launch the leaf's reductions (see [Note: leaf modules])."""
+        if torch.is_grad_enabled() and not self._first_of_checkpointed(module, args):
+            return self.leaves.called(leaf, args, kwargs, self._leaf_backward_done)
+        return None
+
+    def _leaf_backward_done(self, leaf: int) -> None:
+        """Autograd computed a leaf's input gradients: release its units and launch their
+        reductions in index order, zeros where this rank had no gradient."""
+        if not self.reducer.active:
+            return
+        for index in self.leaves.units_of[leaf]:
+            self._release(index)
+            unit = self.units[index]
+            if not unit.frozen:
+                self.reducer.launch_now(unit)
+        if self.after_unit_backward is not None:
+            self.after_unit_backward()
 
     def _enter(self, root_indices: list[int], module, args) -> None:
         """A container's forward begins: called directly (no window open, not a
@@ -306,7 +338,11 @@ class ParamGatherer:
     def buffer_for_backward(self, index: int, first_use: bool) -> torch.Tensor:
         """A unit's buffer for a saved reference: gathered again if released, and each
         unit's first read in a backward counts as a request of the backward pass."""
-        if index not in self._live or first_use:
+        leaf_units = self.leaves.first_touch(index)
+        if leaf_units:
+            for i in leaf_units:  # every rank gathers all of them (see [Note: leaf modules])
+                self._request(i, Pass.BACKWARD)
+        elif index not in self._live or (first_use and leaf_units is None):
             self._request(index, Pass.BACKWARD)
         return self._buffer(index)
 
@@ -338,7 +374,7 @@ class ParamGatherer:
         for slot, grad in enumerate(grads):
             if grad is not None:
                 self.reducer.stage_grad(unit, slot, grad)
-        if last:
+        if last and not self.leaves.holds(index):
             self.reducer.launch_now(unit)
             if self.after_unit_backward is not None:
                 self.after_unit_backward()
@@ -349,6 +385,7 @@ class ParamGatherer:
         self.cache.clear()
         if self.secondary is not None:
             self.secondary.clear()
+        self.leaves.reset()
         self._expected = [0] * len(self.units)
         self._fired = [0] * len(self.units)
         self._prepaid = [0] * len(self.units)

@@ -51,8 +51,9 @@ class GatherCheck:
         ranks = "; ".join(f"rank {r}: {self._describe(i)}" for r, i in enumerate(seen))
         raise RuntimeError(
             "stage 3: ranks gather different units (rank-divergent control flow) - "
-            f"{ranks}. Every rank must run the same modules in the same order at stage 3 "
-            "(use stage 0-2 for models whose ranks take different branches)"
+            f"{ranks}. Every rank must run the same modules in the same order at stage 3: "
+            "name a module whose parts ranks use differently (a Mixture-of-Experts layer) "
+            "in stage3_leaf_modules, or train the model at stage 0-2"
         )
 
     def _describe(self, index: int | None) -> str:
@@ -111,5 +112,7 @@ class GatherDigest:
             "have received another unit's shard of the same size. The step's gradients "
             "were discarded and the weights are unchanged. Set stage3_check_gathers=True "
             "(or ZEROSERVICE_CHECK_GATHERS=1) to name the units at the first divergent "
-            "gather; train such models at stage 0-2"
+            "gather. Name the module whose parts ranks use differently (the MoE layer, "
+            "e.g. MixtralSparseMoeBlock) in stage3_leaf_modules, or train the model at "
+            "stage 0-2"
         )

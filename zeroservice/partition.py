@@ -11,13 +11,20 @@ is gathered inside the root's window.
 A parameter belongs to the innermost group that registers it (the first
 registration if it is shared). Its group's units hold it; a use from another group
 is served by gathering its units on demand (see gather.py), never by a stale copy.
+
+A *leaf* module (``stage3_leaf_modules``) is always a group of its own and never holds
+another: its whole parameter set is gathered on entry, whatever its forward uses on
+this rank (see [Note: leaf modules] in leaf_modules.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
+
+from .config import ConfigError
 
 NamedParams = list[tuple[list[str], nn.Parameter]]
 
@@ -30,6 +37,9 @@ class Group:
     params: NamedParams
     """Owned parameters (trainable and frozen) in registration order, each with all its
     names."""
+    leaf: bool = False
+    """A leaf module (``stage3_leaf_modules``): its backward is gathered and reduced as
+    one (see [Note: leaf modules] in leaf_modules.py)."""
 
 
 def _param_count(module: nn.Module) -> int:
@@ -101,14 +111,58 @@ def group_modules(root: nn.Module, grouping: str, limit: int) -> list[str]:
     return _size_modules(root, limit)
 
 
-def build_groups(root: nn.Module, grouping: str, limit: int) -> list[Group]:
+def leaf_modules(root: nn.Module, leaves: Sequence[str]) -> list[str]:
+    """Qualified names of the outermost modules that ``leaves`` names ("" for the root),
+    each entry a class name (``"MixtralSparseMoeBlock"``) or a qualified module name
+    (``"model.layers.0.mlp"``). An entry that names no module with parameters, or a
+    container without a forward (a ModuleList), is refused by name: a misspelt one
+    would leave the model to fail at its first divergent step."""
+    if not leaves:
+        return []
+    wanted = set(leaves)
+    matched: set[str] = set()
+    found: list[str] = []
+    for qual, module in root.named_modules():
+        hits = wanted & ({qual, type(module).__name__} - {""})
+        if not hits or _param_count(module) == 0:
+            continue
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            raise ConfigError(
+                f"stage3_leaf_modules: {sorted(hits)[0]!r} names {qual or 'the model'}, a "
+                f"{type(module).__name__}, which has no forward of its own to gather on: "
+                "name the modules it holds (by their class)"
+            )
+        matched |= hits
+        if not any(_under(qual, [f]) or f == "" for f in found):
+            found.append(qual)
+    missing = [name for name in leaves if name not in matched]
+    if missing:
+        classes = sorted({type(m).__name__ for m in root.modules() if _param_count(m) > 0})
+        raise ConfigError(
+            f"stage3_leaf_modules: {', '.join(map(repr, missing))} names no module with "
+            "parameters in the model (give a class name or a qualified module name; "
+            f"classes with parameters: {', '.join(classes[:12])}"
+            f"{' ...' if len(classes) > 12 else ''})"
+        )
+    return found
+
+
+def build_groups(
+    root: nn.Module, grouping: str, limit: int, leaves: Sequence[str] = ()
+) -> list[Group]:
     """Groups in registration order, root first; each parameter owned by exactly one.
 
     The root is kept even when it owns nothing: its window spans the whole forward.
+    A leaf module replaces every group inside it (the root named as a leaf: every
+    group).
     """
     modules = dict(root.named_modules(remove_duplicate=False))
-    names = [""] + group_modules(root, grouping, limit)
-    groups = {n: Group(n, modules[n], []) for n in names}
+    leaf_names = leaf_modules(root, leaves)
+    chosen = {n for n in group_modules(root, grouping, limit) if not _under(n, leaf_names)}
+    chosen |= set(leaf_names) - {""}
+    position = {qual: i for i, qual in enumerate(modules)}
+    names = [""] + sorted(chosen, key=position.__getitem__)
+    groups = {n: Group(n, modules[n], [], leaf=n in leaf_names) for n in names}
     owners = sorted(names, key=len, reverse=True)  # innermost first
 
     seen: dict[int, list[str]] = {}
@@ -122,3 +176,8 @@ def build_groups(root: nn.Module, grouping: str, limit: int) -> list[Group]:
         owner = next(g for g in owners if g == "" or qual.startswith(g + "."))
         groups[owner].params.append((seen[id(p)], p))
     return [groups[n] for n in names if n == "" or groups[n].params]
+
+
+def _under(name: str, leaves: list[str]) -> bool:
+    """``name`` is strictly inside one of ``leaves`` ("" is the root)."""
+    return any(name.startswith(leaf + ".") or (leaf == "" and name) for leaf in leaves)

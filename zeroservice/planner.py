@@ -29,10 +29,11 @@ module passed in is only inspected, its shards laid out on the meta device).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import MIN_BUCKET_ELEMENTS
+from .config import MIN_BUCKET_ELEMENTS, ConfigError
 from .memory import PARAM_BYTES, model_state_kinds
 from .quantize import BITS, packed_bytes
 
@@ -653,6 +654,7 @@ def unit_sizes_for_module(
     stage: int,
     bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
+    stage3_leaf_modules: Sequence[str] = (),
 ) -> list[tuple[int, int]]:
     """(elements, padded elements) of every trainable unit the engine would form for
     ``module`` (frozen units hold no gradient, master or optimizer state).
@@ -662,11 +664,18 @@ def unit_sizes_for_module(
     """
     from .units import unit_sizes
 
-    layout = _layout(module, dp, stage, bucket_elements, stage3_grouping)
+    layout = _layout(module, dp, stage, bucket_elements, stage3_grouping, stage3_leaf_modules)
     return unit_sizes(layout, dp if stage > 0 else 1)
 
 
-def _layout(module: nn.Module, dp: int, stage: int, bucket: int | None, grouping: str) -> Layout:
+def _layout(
+    module: nn.Module,
+    dp: int,
+    stage: int,
+    bucket: int | None,
+    grouping: str,
+    leaves: Sequence[str] = (),
+) -> Layout:
     """The engine's units for ``module`` (units.plan_layout), the arguments checked."""
     from .units import plan_layout
 
@@ -677,9 +686,17 @@ def _layout(module: nn.Module, dp: int, stage: int, bucket: int | None, grouping
         _check_int("bucket_elements", bucket, MIN_BUCKET_ELEMENTS)
     if grouping not in ("blocks", "size"):
         raise PlanError(f"stage3_grouping: {grouping!r} is not 'blocks' or 'size'")
-    return plan_layout(
-        module, stage=stage, world=dp, bucket_elements=bucket, stage3_grouping=grouping
-    )
+    try:
+        return plan_layout(
+            module,
+            stage=stage,
+            world=dp,
+            bucket_elements=bucket,
+            stage3_grouping=grouping,
+            stage3_leaf_modules=leaves,
+        )
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def model_state_bytes_for_module(
@@ -691,6 +708,7 @@ def model_state_bytes_for_module(
     optimizer_bytes: int = 8,
     bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
+    stage3_leaf_modules: Sequence[str] = (),
 ) -> int:
     """Model-state bytes per rank the engine will hold for this module, padding included:
     the engine's ``memory_ledger().model_states`` before it runs (Adam: 8 bytes)."""
@@ -702,6 +720,7 @@ def model_state_bytes_for_module(
         stage=stage,
         bucket_elements=bucket_elements,
         stage3_grouping=stage3_grouping,
+        stage3_leaf_modules=stage3_leaf_modules,
     )
     psi_padded = sum(padded for _, padded in sizes)
     return sum(model_state_kinds(stage, precision, psi_padded, dp, optimizer_bytes))
@@ -715,6 +734,7 @@ def frozen_bytes_for_module(
     precision: str,
     bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
+    stage3_leaf_modules: Sequence[str] = (),
 ) -> int:
     """Bytes per rank of the module's frozen parameters (``requires_grad=False``): their
     padded units in the training dtype, this rank's 1/N_d of them at stage 3; no
@@ -722,7 +742,7 @@ def frozen_bytes_for_module(
     from .flat import padded_size
 
     _check_precision(precision)
-    layout = _layout(module, dp, stage, bucket_elements, stage3_grouping)
+    layout = _layout(module, dp, stage, bucket_elements, stage3_grouping, stage3_leaf_modules)
     shard_world = dp if stage > 0 else 1
     frozen = [c for c in layout.chunks if not c[0][1].requires_grad]
     padded = sum(padded_size(sum(p.numel() for _, p in c), shard_world) for c in frozen)

@@ -23,6 +23,7 @@ hold more at stage 3 than at stage 2, by at most that unit; the ledger's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -110,6 +111,7 @@ def plan_layout(
     persistence_elements: int | None = None,
     stage3_grouping: str = "blocks",
     opt_group: dict[int, int] | None = None,
+    stage3_leaf_modules: Sequence[str] = (),
 ) -> Layout:
     """Cut ``module``'s parameters into units as the engine will; ``world``: the
     data-parallel degree N_d (budgets follow it at every stage, so that all stages cut a
@@ -122,7 +124,7 @@ def plan_layout(
     cap = sizes.unit_elements
     if stage < 3:
         return Layout(_reverse_order_chunks(module, cap, opt_group), sizes)
-    groups = build_groups(module, stage3_grouping, cap)
+    groups = build_groups(module, stage3_grouping, cap, stage3_leaf_modules)
     chunks: list[NamedParams] = []
     per_group: list[list[int]] = [[] for _ in groups]
     for frozen in (False, True):

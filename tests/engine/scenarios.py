@@ -318,10 +318,13 @@ def unused_parameters(stages: list[int]) -> list[dict]:
     return [unused_parameters_at(stage) for stage in stages]
 
 
-def unused_parameters_at(stage: int, steps: int = 6, width: int = 16) -> dict:
+def unused_parameters_at(
+    stage: int, steps: int = 6, width: int = 16, leaves: tuple[str, ...] = ()
+) -> dict:
     """Ranks disagree on which parameters get gradients; the engine must neither hang
     nor diverge, and must match DDP(find_unused_parameters=True). At ``width`` > 32 the
-    weights exceed the 1024-element bucket and are reduced in pieces."""
+    weights exceed the 1024-element bucket and are reduced in pieces. ``leaves``: stage
+    3's ``stage3_leaf_modules``, which stage 3 needs here."""
     rank = dist.get_rank()
 
     def batches(step: int, accum: int) -> list[tuple]:
@@ -340,9 +343,8 @@ def unused_parameters_at(stage: int, steps: int = 6, width: int = 16) -> dict:
             ddp_kwargs={"find_unused_parameters": True},
         )
         harness.restart_fault()
-        engine = zeroservice.initialize(
-            model, ZeroConfig(stage=stage, bucket_elements=1024), optimizer=optimizer
-        )
+        config = ZeroConfig(stage=stage, bucket_elements=1024, stage3_leaf_modules=list(leaves))
+        engine = zeroservice.initialize(model, config, optimizer=optimizer)
         return harness.run_engine(engine, batches, steps, reference=ref if capture else None), ref
 
     adam, adam_ref = runs(lambda ps: torch.optim.AdamW(ps, lr=1e-2), False)

@@ -60,6 +60,15 @@ def _error(body) -> str:
         ({"engine": {"partition_activations": True}}, "partition_activations"),
         ({"engine": {"redundancy": "mirror"}}, "engine.redundancy"),
         ({"engine": {"redundancy_interval": 0}}, "engine.redundancy_interval"),
+        ({"engine": {"stage3_leaf_modules": "MLP"}}, "engine.stage3_leaf_modules: 'MLP' must"),
+        (
+            {"engine": {"stage": 3, "stage3_leaf_modules": ["MLP", "Mlp"]}},
+            "engine.stage3_leaf_modules: 'Mlp' names no module with parameters",
+        ),
+        (
+            {"engine": {"stage": 3, "stage3_leaf_modules": ["blocks"]}},
+            "'blocks' names blocks, a ModuleList",
+        ),
         ({"data": {"kind": "text"}}, "data.path: required"),
         ({"data": {"kind": "synthetic", "path": "x"}}, "synthetic data reads no file"),
         ({"optimizer": {"lr": -1}}, "optimizer.lr"),
@@ -71,6 +80,11 @@ def _error(body) -> str:
 )
 def test_bad_specs_name_the_field(body, needle):
     assert needle in _error(body)
+
+
+def test_leaf_modules_of_the_reference_gpt_are_accepted_by_class_or_name():
+    spec = tiny_job(engine={"stage": 3, "stage3_leaf_modules": ["MLP", "blocks.0.attn"]})
+    assert spec.zero_config().stage3_leaf_modules == ["MLP", "blocks.0.attn"]
 
 
 def test_defaults_and_round_trip():
