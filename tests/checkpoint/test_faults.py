@@ -77,6 +77,9 @@ def _corrupt(directory, how: str) -> str:
     elif how == "rng":
         m["rng"][0]["torch"] = "AAAA"
         said = "rank 0's malformed random state"
+    elif how == "kinds":  # a kind dropped from the list: its states would not be read
+        m["kinds"].remove("exp_avg_sq")
+        said = "lists the state kinds ['exp_avg', 'master'] but its segments hold ['exp_avg', "
     else:
         raise AssertionError(how)
     manifest.write_text(json.dumps(m))
@@ -84,7 +87,9 @@ def _corrupt(directory, how: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "how", ["missing", "truncated", "checksum", "version", "dtype", "int master", "scalar", "rng"]
+    "how",
+    ["missing", "truncated", "checksum", "version", "dtype", "int master", "scalar", "rng"]
+    + ["kinds"],
 )
 def test_fault_is_named_and_resume_falls_back(three_saves, how):
     root, dirs = three_saves

@@ -114,3 +114,25 @@ def test_state_of_every_group_and_shard_resumes_exactly(tmp_path, world):
     out = run_local(run, world, timeout_s=300)[0]
     for case, r in out.items():
         assert r["resumed"] == r["expected"], case  # fp32, the same world: bit for bit
+
+
+def _back_to_the_start(root: str, stage: int) -> dict:
+    """A checkpoint saved before the first step holds no optimizer state; an engine that
+    has trained since loads it and must drop its own moments, as a fresh one has none."""
+    path = os.path.join(root, f"start-{stage}")
+    first = _engine("adamw", stage)
+    first.save_checkpoint(path)
+    fresh = _train(first, range(3))
+    trained = _engine("adamw", stage)
+    _train(trained, range(4))
+    trained.load_checkpoint(path)
+    opt = trained.optimizer
+    kept = sorted({k for m in opt.masters for k in opt.optimizer.state.get(m, {})})
+    return {"fresh": fresh, "after_load": _train(trained, range(3)), "kept": kept}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_load_leaves_no_optimizer_state_the_checkpoint_lacks(tmp_path, stage):
+    out = run_local(functools.partial(_back_to_the_start, str(tmp_path), stage), 2)[0]
+    assert out["kept"] == []
+    assert out["after_load"] == out["fresh"]

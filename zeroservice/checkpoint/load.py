@@ -79,6 +79,12 @@ class _Plan:
         index: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for seg in manifest["segments"]:
             index.setdefault((seg["param"], seg["kind"]), []).append(seg)
+        held = sorted({kind for _, kind in index} - {"buffer"})
+        if held and held != sorted(self.kinds):
+            raise CheckpointError(
+                f"{source}: the manifest lists the state kinds {sorted(self.kinds)} but its "
+                f"segments hold {held} (an edited or damaged manifest)"
+            )
         self.reads: dict[tuple[int, str], list[Read]] = {}
         self.files: set[str] = set()
         for piece in held_pieces(state.units, state.whole):
@@ -375,6 +381,9 @@ def _apply(
         for kind in plan.kinds:
             if kind != "master" and kind not in per_param:
                 per_param[kind] = torch.zeros_like(master.detach())
+        for key in [k for k, v in per_param.items() if v is not None]:
+            if key not in plan.kinds and key not in prepared.scalars:
+                del per_param[key]  # this engine's own state the checkpoint does not have
         for key, value in prepared.scalars.items():
             # A tensor of its own per master: optimizers step it in place (Adam's step).
             tensor = isinstance(value, torch.Tensor)
