@@ -119,6 +119,8 @@ def uncovered(spec: JobSpec, cfg: ZeroConfig) -> str | None:
         return "engine.redundancy: host copies"
     if cfg.quantized_weights or cfg.hierarchical_partition or cfg.quantized_gradients != "none":
         return "engine: ZeRO++ switches"
+    if cfg.stage == 3 and cfg.stage3_leaf_modules:
+        return "engine.stage3_leaf_modules: leaf modules (gathered and staged whole in backward)"
     return None
 
 
@@ -154,8 +156,8 @@ def _sizing(spec: JobSpec, cfg: ZeroConfig) -> dict[str, Any]:
 def _peak(spec: JobSpec) -> Any:
     """The reference GPT's predicted peak per rank (zeroservice/peak.py, held within
     ±10% of measured peaks), where that model covers the job: Adam or AdamW, dropout 0,
-    one micro-batch per step, no fp16 loss scaling, no host copies and no ZeRO++
-    switches; None otherwise (the planner's formula is used)."""
+    one micro-batch per step, no fp16 loss scaling, no host copies, no ZeRO++
+    switches and no stage-3 leaf modules; None otherwise (the planner's formula is used)."""
     from zeroservice.peak import PeakConfig, predict_peak
 
     cfg = spec.zero_config()

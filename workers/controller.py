@@ -227,7 +227,7 @@ class JobController:
         try:
             group = self.pool.start(placement, self.record.restarts)
         except GroupStartFailed as failure:
-            return self._restart("bootstrap_failed", failure.message)
+            return self._start_failed(failure)
         return self._started(group)
 
     def _adopt(self) -> State | None:
@@ -319,6 +319,13 @@ class JobController:
             ],
         )
         return Running(group=group, step=first.start_step, message=f"dp {group.dp} × mp {mp}")
+
+    def _start_failed(self, failure: GroupStartFailed) -> State:
+        """A start the ranks' engines refused (a configuration its model cannot take)
+        fails the job at once; any other failed start is a restart."""
+        if failure.refused:
+            return Failed(reason="config_error", message=failure.message)
+        return self._restart("bootstrap_failed", failure.message)
 
     def _restart(self, reason: str, message: str, ranks: list[int] | None = None) -> State:
         """A restart from the newest checkpoint; failed when the budget is spent."""
@@ -561,7 +568,7 @@ class JobController:
             setups = group.regroup(self.record.restarts, not state.lost, self.term)
         except GroupStartFailed as failure:
             group.shutdown(clean=False)
-            return self._restart("bootstrap_failed", failure.message)
+            return self._start_failed(failure)
         group.setups = setups
         first = setups[0]
         seconds = time.monotonic() - t0

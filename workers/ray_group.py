@@ -36,7 +36,7 @@ from .placement import (
 from .rank_actor import RankActor
 from .rank_env import actor_env
 from .spec import JobSpec
-from .worker_group import GroupStartFailed, RankDied, RankError
+from .worker_group import GroupStartFailed, RankDied, RankError, refused_by_engine
 
 NAMESPACE = "zeroservice"
 
@@ -365,7 +365,10 @@ class RayWorkerGroup:
             ]
             setups = ray.get(refs, timeout=timeout)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:
-            raise GroupStartFailed(f"re-forming {self.world} ranks failed: {short(exc)}") from None
+            raise GroupStartFailed(
+                f"re-forming {self.world} ranks failed: {short(exc)}",
+                refused=refused_by_engine([exc]),
+            ) from None
         self.addresses = addresses
         return setups
 
@@ -559,7 +562,9 @@ class RayWorkerPool:
             self._setup(group, restarts)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:
             group.shutdown(clean=False)
-            raise GroupStartFailed(f"starting {world} ranks failed: {short(exc)}") from None
+            raise GroupStartFailed(
+                f"starting {world} ranks failed: {short(exc)}", refused=refused_by_engine([exc])
+            ) from None
         except BaseException:
             group.shutdown(clean=False)
             raise

@@ -17,6 +17,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from zeroservice.config import ConfigError
+
 from .messages import RankProgress, RankSetup
 
 
@@ -37,11 +39,20 @@ class RankError(Exception):
 
 
 class GroupStartFailed(Exception):
-    """The ranks could not all join the group within the bootstrap timeout."""
+    """The ranks could not all join the group within the bootstrap timeout, or a rank's
+    set-up raised. ``refused``: a rank's engine refused the job's configuration for its
+    model (``zeroservice.ConfigError``, such as a ``stage3_leaf_modules`` name no module
+    has): every start would fail alike, so the job fails at once."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, refused: bool = False):
         super().__init__(message)
-        self.message = message
+        self.message, self.refused = message, refused
+
+
+def refused_by_engine(errors: list[BaseException]) -> bool:
+    """A rank's set-up raised the engine's ConfigError (Ray's task error is also an
+    instance of the error it carries; a RankError has it as its cause)."""
+    return any(isinstance(e, ConfigError) or isinstance(e.__cause__, ConfigError) for e in errors)
 
 
 class Placement(Protocol):
@@ -252,7 +263,10 @@ class InProcessGroup:
         answers = self.wait(timeout=60)
         failed = [a for a in answers.values() if isinstance(a, Exception)]
         if failed or len(answers) < world:
-            raise GroupStartFailed(f"re-forming {world} ranks failed: {failed or 'timed out'}")
+            raise GroupStartFailed(
+                f"re-forming {world} ranks failed: {failed or 'timed out'}",
+                refused=refused_by_engine(failed),
+            )
         self.setups = [answers[r] for r in range(world)]
         return self.setups
 
@@ -318,7 +332,9 @@ class InProcessPool:
         if failed or len(answers) < world:
             group.shutdown(clean=False)
             why = failed[0] if failed else "timed out"
-            raise GroupStartFailed(f"starting {world} ranks failed: {why}")
+            raise GroupStartFailed(
+                f"starting {world} ranks failed: {why}", refused=refused_by_engine(failed)
+            )
         group.setups = [answers[r] for r in range(world)]
         self.groups.append(group)
         return group

@@ -186,6 +186,9 @@ def test_the_plan_of_a_reference_gpt_is_its_predicted_peak(harness):
     assert other["peak"] is None and other["per_rank"]["redundancy_host"] > 0
     per_rank = other["per_rank"]  # a CPU rank: its host memory is the same memory
     assert other["needed_bytes"] == per_rank["device_total"] + per_rank["host_total"]
+    spec["engine"] = {"stage": 3, "stage3_leaf_modules": ["MLP"]}  # not modelled either
+    leaves = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
+    assert leaves["peak"] is None and leaves["per_rank"]["model_states"] > 0
     # ZeRO++: the formula holds hpZ's secondary shards and the quantized rows.
     spec["engine"] = {
         "stage": 3,

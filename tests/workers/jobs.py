@@ -14,6 +14,25 @@ TINY_GPT2 = {
     "config": {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 16},
 }
 """A transformers GPT-2 built from a config, as small as TINY_GPT."""
+TINY_MIXTRAL = {
+    "kind": "transformers",
+    "architecture": "MixtralForCausalLM",
+    "vocab_size": 256,
+    "seq_len": 4,
+    "config": {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+    },
+}
+"""A transformers Mixture-of-Experts model: with 4 tokens per rank, ranks route to
+different experts."""
 TINY_GPT = {"kind": "gpt", "vocab_size": 256, "seq_len": 16, "n_layer": 2, "n_head": 4, "dim": 32}
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from workers.messages import RankChunk, RankIdle, RankProgress, RankSaved, RankSetup
 from workers.worker_group import InProcessPool, RankDied
+from zeroservice.config import ConfigError
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Script:
     """Steps whose save fails (ENOSPC) on every rank."""
     fail_setup: set[int] = field(default_factory=set)
     """Attempts whose rank 0 fails to join the group."""
+    refuse_setup: set[int] = field(default_factory=set)
+    """Attempts whose ranks' engines refuse the configuration (ConfigError)."""
     on_kill: Any = None
     on_save: Any = None
     """Called with the step saved (by rank 0)."""
@@ -76,6 +79,8 @@ class ScriptedRank:
     def setup(self, *args: Any) -> RankSetup:
         if self.attempt in self.script.fail_setup and self.rank == 0:
             raise RuntimeError("the rendezvous timed out")
+        if self.attempt in self.script.refuse_setup:
+            raise ConfigError("stage3_leaf_modules: 'MoE' names no module with parameters")
         self.step = self.script.saved
         self.saved_history, self.since_save = list(self.script.saved_history), {}
         loaded = f"step-{self.step:08d}" if self.step else None

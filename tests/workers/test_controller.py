@@ -175,6 +175,15 @@ def test_a_failed_start_counts_a_restart_and_tries_again():
     assert ctl.run() == Succeeded(message="4 steps")
 
 
+def test_a_configuration_the_engine_refuses_fails_the_job_without_a_restart():
+    script = Script(refuse_setup={1})
+    ctl = _controller(tiny_job(steps=4), scripted_pool(script, capacity=2))
+    assert _steps(ctl, 2) == [(Queued, Starting), (Starting, Failed)]
+    assert ctl.state.reason == "config_error"
+    assert "'MoE' names no module with parameters" in ctl.state.message
+    assert ctl.record.restarts == 0 and not _events(ctl, "restart")
+
+
 def test_a_full_disk_fails_the_save_not_the_job():
     script = Script(full_disk={4}, kill={(1, 0, 10)})
     spec = tiny_job(steps=12, checkpoint={"interval_steps": 4})

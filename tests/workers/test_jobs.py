@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import wait_for
-from tests.workers.jobs import TINY_GPT2, factory_model, tiny_job
+from tests.workers.jobs import TINY_GPT2, TINY_MIXTRAL, factory_model, tiny_job
 from zscli.server import processes_with
 
 pytestmark = pytest.mark.slow
@@ -307,6 +307,32 @@ def test_transformers_model_job(local_ray, tmp_path):
     assert set(exported) == set(transformers.GPT2LMHeadModel(config).state_dict())
     kept = load_file(export_checkpoint(newest, tmp_path / "all.safetensors", prefix=""))
     assert set(kept) == {f"model.{name}" for name in exported}
+
+
+def test_a_mixture_of_experts_job_at_stage_3_and_one_its_engine_refuses(local_ray, tmp_path):
+    """Its MoE layers named as leaf modules, a Mixtral trains at stage 3; the same job
+    with a misspelt class name fails at start, naming it, without restarting."""
+    ray = local_ray
+    engine = {"stage": 3, "bucket_elements": 1024, "stage3_persistence_elements": 0}
+    spec = tiny_job(
+        steps=4,
+        micro_batch=1,
+        model=TINY_MIXTRAL,
+        engine=engine | {"stage3_leaf_modules": ["MixtralSparseMoeBlock"]},
+        max_restarts=2,
+    )
+    handle, status = _run(ray, "moe", spec, tmp_path / "ckpt")
+    assert status == "succeeded", ray.get(handle.status.remote())
+    assert sorted(ray.get(handle.losses.remote())) == [1, 2, 3, 4]
+    ray.kill(handle)
+    typo = spec.model_copy(update={"engine": engine | {"stage3_leaf_modules": ["MixtralMoE"]}})
+    handle, status = _run(ray, "moe-typo", typo, tmp_path / "typo")
+    info = ray.get(handle.status.remote())
+    assert status == "failed" and info["reason"] == "config_error", info
+    assert "stage3_leaf_modules: 'MixtralMoE' names no module with parameters" in info["message"]
+    assert "MixtralSparseMoeBlock" in info["message"]  # among the classes it lists
+    assert not [e for e in ray.get(handle.events.remote()) if e["kind"] == "restart"]
+    ray.kill(handle)
 
 
 def _remote_addresses(pids: set[int]) -> set[str]:
