@@ -17,12 +17,16 @@ from .spec import JobSpec
 
 
 class ModelNotBuildable(ValueError):
-    """The model could not be built from its spec; the message names the field."""
+    """The model could not be built from its spec, or the spec names modules the model
+    lacks; the message names the field."""
 
 
 def count_parameters(spec: JobSpec) -> int:
-    """Trainable parameters of the job's model, built without memory (deferred init)."""
+    """Trainable parameters of the job's model, built without memory (deferred init).
+    The engine's ``stage3_leaf_modules`` are checked against the built model too: a
+    name no module has would otherwise fail every rank at start."""
     import zeroservice
+    from zeroservice.partition import leaf_modules
 
     from .build import build_model
 
@@ -33,6 +37,10 @@ def count_parameters(spec: JobSpec) -> int:
         raise
     except Exception as exc:
         raise ModelNotBuildable(_field_message(spec, exc)) from None
+    try:
+        leaf_modules(model, spec.engine.get("stage3_leaf_modules") or [])
+    except zeroservice.ConfigError as exc:
+        raise ModelNotBuildable(f"engine.{exc}") from None
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

@@ -33,6 +33,11 @@ def test_a_transformers_model_is_counted_and_an_unknown_one_refused(local_ray):
     nope = tiny_job(model={**TINY_GPT2, "architecture": "NopeForCausalLM"})
     with pytest.raises(ModelNotBuildable, match="model.architecture: transformers has no Nope"):
         count_on_worker(nope, timeout_s=60, memory_bytes=2 * GIB)
+    typo = tiny_job(model=TINY_GPT2, engine={"stage": 3, "stage3_leaf_modules": ["GPT2Mlp"]})
+    with pytest.raises(ModelNotBuildable, match="engine.stage3_leaf_modules: 'GPT2Mlp' names no"):
+        count_on_worker(typo, timeout_s=60, memory_bytes=2 * GIB)
+    named = tiny_job(model=TINY_GPT2, engine={"stage": 3, "stage3_leaf_modules": ["GPT2MLP"]})
+    assert count_parameters(named) == count_parameters(spec)
 
 
 def test_a_slow_factory_is_cut_at_the_timeout(local_ray):
