@@ -397,7 +397,8 @@ class JobSpec(_Strict):
     def _leaf_modules_exist(self) -> None:
         """The reference GPT's ``stage3_leaf_modules`` are checked at submission (the
         model built on the meta device, no memory): a name that matches nothing would
-        otherwise fail every rank at start. Other model kinds are checked by the ranks."""
+        otherwise fail every rank at start. Other model kinds are checked where the control
+        plane builds them, on the worker that measures them (model_size.py)."""
         leaves = self.engine.get("stage3_leaf_modules")
         if not leaves or not isinstance(self.model, GPTModelSpec):
             return

@@ -133,7 +133,7 @@ def leaf_modules(root: nn.Module, leaves: Sequence[str]) -> list[str]:
                 "name the modules it holds (by their class)"
             )
         matched |= hits
-        if not any(_under(qual, [f]) or f == "" for f in found):
+        if not _under(qual, found):
             found.append(qual)
     missing = [name for name in leaves if name not in matched]
     if missing:
