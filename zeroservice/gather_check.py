@@ -5,10 +5,12 @@ Stage 3 needs every rank to gather the same units in the same order: a rank that
 skips a block issues the next block's all-gather while its peers issue this one's,
 and when the two units have the same size the collective succeeds and hands each
 rank a shard of the wrong unit, silently. With ``stage3_check_gathers`` every gather
-is preceded by one all-reduce of (index, -index) under MAX, on a process group of its
-own (so it never interleaves with the ring's point-to-point traffic on the engine's
-group): the ranks agree exactly when the result is (index, -index) everywhere; if not,
-each rank learns every rank's unit and raises the same error naming them.
+is preceded by one all-reduce of (index, -index) under MAX, on a gloo group of its own
+(so it never interleaves with the ring's point-to-point traffic on the engine's group;
+named by an id agreed over the engine's group, so that old ranks and newcomers of a
+grow meet in it: ``own_gloo_group``): the ranks agree exactly when the result is
+(index, -index) everywhere; if not, each rank learns every rank's unit and raises the
+same error naming them.
 
 Without the debug mode, ``GatherDigest`` keeps the divergence from going unnoticed at
 a small fixed cost: each rank folds the index of every gather it issues (forward,
@@ -21,6 +23,9 @@ units at the first divergent gather.
 
 from __future__ import annotations
 
+import uuid
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -32,9 +37,8 @@ class GatherCheck:
     """Consensus on the unit each gather fetches. See [Note: rank-divergent control flow]."""
 
     def __init__(self, group: dist.ProcessGroup | None, units: list[FlatUnit]):
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        ranks = ranks or list(range(dist.get_world_size()))
-        self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.size = dist.get_world_size(group)
+        self.group = own_gloo_group(group)
         self.units = units
         self.checked = 0
         """Gathers confirmed so far."""
@@ -42,13 +46,15 @@ class GatherCheck:
     def agree(self, index: int) -> None:
         """Return when every rank gathers unit ``index`` now; raise naming them otherwise."""
         probe = torch.tensor([index, -index], dtype=torch.int64)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+        self.group.allreduce([probe], options).wait()
         if probe.tolist() == [index, -index]:
             self.checked += 1
             return
-        seen: list[int | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(seen, index, group=self.group)
-        ranks = "; ".join(f"rank {r}: {self._describe(i)}" for r, i in enumerate(seen))
+        seen = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.group.allgather([seen], [torch.tensor([index])]).wait()
+        ranks = "; ".join(f"rank {r}: {self._describe(int(i))}" for r, i in enumerate(seen))
         raise RuntimeError(
             "stage 3: ranks gather different units (rank-divergent control flow) - "
             f"{ranks}. Every rank must run the same modules in the same order at stage 3: "
@@ -62,6 +68,26 @@ class GatherCheck:
         names = [s.names[0] for s in self.units[index].slots]
         shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
         return f"unit {index} [{shown}]"
+
+
+def own_gloo_group(group: dist.ProcessGroup | None) -> Any:
+    """A gloo group over ``group``'s ranks, named by a fresh id that the group's first
+    rank broadcasts over ``group`` (collective over it). ``dist.new_group`` names a group
+    by the groups each process formed before (or by a count over the whole world), so
+    ranks that formed different ones, as in a grow (old ranks and newcomers), could
+    never meet; an agreed id makes the name theirs alone."""
+    token = [uuid.uuid4().hex if dist.get_rank(group) == 0 else None]
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(token, src=source, group=group)
+    store = dist.PrefixStore(f"zeroservice/gather-check/{token[0]}/", _default_store())
+    size = dist.get_world_size(group)
+    return dist.ProcessGroupGloo(store, dist.get_rank(group), size, dist.default_pg_timeout)
+
+
+def _default_store() -> dist.Store:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 _MODULUS = 2**61 - 1

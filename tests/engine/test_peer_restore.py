@@ -201,12 +201,14 @@ def test_grow_receives_large_slices_in_place(tmp_path):
     assert received <= mixed_received < received + ALIGN * per_slice
 
 
-def test_grow_at_stage_3(tmp_path):
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_grow_at_stage_3(tmp_path, check):
     """Two ranks train over a subgroup, then three build a stage-3 engine over the whole
     group: that engine's step consensus formed a group of its own, which the newcomer,
     having formed fewer groups, could never join (every rank waited at initialize).
-    The debug check per gather still forms one, so it is off here."""
-    _grown(tmp_path, "stage3", None, stage=3, env={"ZEROSERVICE_CHECK_GATHERS": "0"})
+    The debug check per gather (on with "1") forms its own group by an id the ranks
+    agree on, so the newcomer meets the old ranks there too."""
+    _grown(tmp_path, f"stage3-{check}", None, stage=3, env={"ZEROSERVICE_CHECK_GATHERS": check})
 
 
 @pytest.mark.parametrize("stage", [0, 2])
