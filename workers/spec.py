@@ -9,6 +9,8 @@ job is refused at submission, before any resource is taken.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -313,6 +315,25 @@ class TrackingSpec(_Strict):
     """The MLflow experiment; default: the tenant's name."""
 
 
+@functools.lru_cache(maxsize=64)
+def _gpt_leaf_error(config: tuple, leaves: tuple[str, ...]) -> str | None:
+    """Why ``leaves`` name no module of the reference GPT of this config (None: they
+    do). Cached: a spec is validated again wherever it is read (the scheduler's every
+    pass, the supervisor, each rank), and each check builds the model's modules."""
+    import torch
+
+    from zeroservice.models import GPT
+    from zeroservice.partition import leaf_modules
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(*config))
+    try:
+        leaf_modules(model, leaves)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 class JobSpec(_Strict):
     """A training job, as submitted."""
 
@@ -402,17 +423,9 @@ class JobSpec(_Strict):
         leaves = self.engine.get("stage3_leaf_modules")
         if not leaves or not isinstance(self.model, GPTModelSpec):
             return
-        import torch
-
-        from zeroservice.models import GPT
-        from zeroservice.partition import leaf_modules
-
-        with torch.device("meta"):
-            model = GPT(self.model.gpt_config())
-        try:
-            leaf_modules(model, leaves)
-        except ConfigError as exc:
-            raise ValueError(f"engine.{exc}") from None
+        error = _gpt_leaf_error(dataclasses.astuple(self.model.gpt_config()), tuple(leaves))
+        if error is not None:
+            raise ValueError(f"engine.{error}")
 
     def zero_config(self) -> ZeroConfig:
         if self.engine.get("stage") == "auto":

@@ -102,11 +102,8 @@ class GatherDigest:
         self.group = group
         """The engine's data-parallel group: at the step nothing else is in flight on it
         (backward's gathers and reductions are done, the next forward's not begun), as
-        for the gradient norm's all-reduce. A group of its own would be formed by
-        ``new_group(use_local_synchronization=True)``, whose name counts the groups each
-        rank formed before: ranks that had formed different ones (an engine over a
-        subgroup, then one over the whole group after a grow) waited for each other
-        forever."""
+        for the gradient norm's all-reduce, so it needs no group of its own (the debug
+        check's, ``own_gloo_group``, holds a connection to every peer)."""
         self.interrupt = interrupt
         """The engine's: a rank whose peer is lost during the comparison gives it up
         (see [Note: interrupting a collective] in interrupt.py)."""

@@ -75,7 +75,7 @@ class _Plan:
         self.source, self.manifest = source, manifest
         self.kinds: list[str] = manifest.get("kinds", ["master"])
         by_name = {n: p for p in manifest["params"] for n in p["names"]}
-        _check_names(state, manifest, source)
+        _check_names(state, manifest["params"], by_name, source)
         index: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for seg in manifest["segments"]:
             index.setdefault((seg["param"], seg["kind"]), []).append(seg)
@@ -164,14 +164,18 @@ class _Plan:
                     buffer.copy_(data.view(buffer.shape))
 
 
-def _check_names(state: ShardedState, manifest: dict[str, Any], source: object) -> None:
+def _check_names(
+    state: ShardedState,
+    params: list[dict[str, Any]],
+    by_name: dict[str, dict[str, Any]],
+    source: object,
+) -> None:
     """Every parameter of the model has an entry of its shape, and every entry a
     parameter (as ``load_state_dict(strict=True)`` checks): an entry this model has none
     of is another model's, and would be dropped without a word. Every rank reads the
     whole model's parameters, not its shard's, so all decide alike. A tied parameter
     matches by any of its names."""
     slots = [slot for unit in state.units for slot in unit.slots]
-    by_name = {n: p for p in manifest["params"] for n in p["names"]}
     said = []
     for slot in slots:
         saved = _entry(slot.names, by_name)
@@ -183,7 +187,7 @@ def _check_names(state: ShardedState, manifest: dict[str, Any], source: object) 
                 f"the model has {tuple(slot.shape)}"
             )
     known = {n for slot in slots for n in slot.names}
-    strangers = [p["name"] for p in manifest["params"] if not known.intersection(p["names"])]
+    strangers = [p["name"] for p in params if not known.intersection(p["names"])]
     if strangers:
         said.append(
             f"the checkpoint holds parameters this model does not have: "
