@@ -15,6 +15,7 @@ from tests.checkpoint import scenarios as ck
 from tests.checkpoint.states import assert_same_states, consolidated
 from tests.engine import harness, scenarios
 from tests.engine.scenarios import Spec
+from tests.engine.test_leaf_modules import assert_variants_follow_stage_0, train_variants
 from tests.engine.test_precision import (
     BF16_CASES,
     FP16_CASES,
@@ -83,6 +84,13 @@ def test_bf16_and_fp16_follow_ddp_on_cuda(world, backend):
         except AssertionError as exc:
             raise AssertionError(f"fp16 stage {stage} {scale}: {exc}") from exc
     assert_overflow_skips([r[2] for r in results])
+
+
+def test_leaf_modules_on_cuda():
+    """Stage 3 with leaf modules, two ranks whose tokens pick different experts: the
+    variants of tests/engine/test_leaf_modules.py (both groupings, checkpointing, no
+    prefetch) train to stage 0's losses and weights on the GPU."""
+    assert_variants_follow_stage_0(_run_on_gpu(train_variants, 2, backend="gloo"))
 
 
 @pytest.mark.parametrize("stage", STAGES)
