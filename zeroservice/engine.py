@@ -34,7 +34,7 @@ from .config import ConfigError, ZeroConfig
 from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .forward_writes import ForwardWrites, between_steps_reason, watch_reason
 from .gather import ParamGatherer
-from .gather_check import GatherCheck, GatherDigest
+from .gather_check import ForwardReads, GatherCheck, GatherDigest
 from .host_memory import HostTrim
 from .interrupt import Interrupt, stop_forwards
 from .memory import (
@@ -187,6 +187,8 @@ class Engine:
         """Built with ``init=RESTORED``: no weights until a load or a restore."""
         shard_rank = self.dp_rank if self.policy.shard_world > 1 else 0
         self.gatherer: ParamGatherer | None = None
+        self._forward_reads: ForwardReads | None = None
+        """Stage 3 at N_d > 1: the per-forward consensus on the weights read."""
         self.units: list[FlatUnit]
         if self.policy.partitions_params:
             self.units = construct.empty_units(
@@ -272,7 +274,11 @@ class Engine:
                 persistence_elements=budget.persistence_elements,
                 persistent_total=budget.persistent_total,
                 check=GatherCheck(group, self.units) if config.stage3_check_gathers else None,
-                digest=GatherDigest(group, self._interrupt) if self.dp_world > 1 else None,
+                digest=(
+                    GatherDigest(group, self._interrupt, self.units[0].flat.device)
+                    if self.dp_world > 1
+                    else None
+                ),
                 quantize_block=config.quantization_block if config.quantized_weights else None,
                 secondary=(
                     Secondary(self.node_groups)
@@ -283,6 +289,11 @@ class Engine:
                 after_unit_backward=trim,
                 leaves=[(g.module, idx) for g, idx in groups if g.leaf],
             )
+            if self.dp_world > 1:
+                leaf_units = [i for units in self.gatherer.leaves.units_of for i in units]
+                self._forward_reads = ForwardReads(
+                    group, module, self.units, leaf_units, self._interrupt
+                )
             guard_placeholders(module, self.units)
         self.optimizer = ShardedOptimizer(
             self.trainable_units,
@@ -379,7 +390,7 @@ class Engine:
             g = self.gatherer
             with torch.autograd.graph.saved_tensors_hooks(g.saved.pack, g.saved.unpack):
                 try:
-                    return self.module(*args, **kwargs)
+                    out = self.module(*args, **kwargs)
                 except RuntimeError as exc:
                     # An in-place write to a gathered weight may fail in autograd before
                     # the gatherer's own check says what happened: say it instead.
@@ -387,7 +398,23 @@ class Engine:
                     if found is not None:
                         raise RuntimeError(found) from exc
                     raise
+            self._check_forward_reads()
+            return out
         return self.module(*args, **kwargs)
+
+    def _check_forward_reads(self) -> None:
+        """Stage 3: every rank's forward read the same weights, or the step is discarded
+        before a backward whose collectives would diverge (see [Note: rank-divergent
+        control flow] in gather_check.py)."""
+        if self._forward_reads is None:
+            return
+        assert self.gatherer is not None
+        try:
+            self._forward_reads.check(self.gatherer.forward_reads)
+        except ConfigError:
+            self.gatherer.forget_forward()
+            self._discard_step()
+            raise
 
     def _require_state(self, what: str) -> None:
         if self.awaiting_state:

@@ -147,6 +147,9 @@ class ParamGatherer:
         """The innermost checkpointed first forward's set, if one is running."""
         self.live_elements = 0
         self.peak_live_elements = 0
+        self.forward_reads: set[int] = set()
+        """Units whose weights a module read since the root's forward began (compared
+        across ranks after it: see ``ForwardReads`` in gather_check.py)."""
         self.on_demand_gathers = 0
         """Gathers issued when a unit was needed (the first of a pass, or off-plan)."""
         self.prefetched_gathers = 0
@@ -195,6 +198,7 @@ class ParamGatherer:
             views = self._views[index]
         if self._run is not None:
             self._run.add(index)
+        self.forward_reads.add(index)
         return views[slot]
 
     def in_forward(self) -> bool:
@@ -209,6 +213,7 @@ class ParamGatherer:
         """A group's forward begins: gather its units into a new window."""
         if is_root and not self._windows:
             self.plan.begin(Pass.FORWARD)
+            self.forward_reads.clear()
             if self.secondary is not None:
                 self.secondary.clear()  # the weights changed since they were kept
         window: list[int] = []
@@ -385,11 +390,15 @@ class ParamGatherer:
         self.cache.clear()
         if self.secondary is not None:
             self.secondary.clear()
+        self.forget_forward()
+        self.plan.end(Pass.BACKWARD)
+
+    def forget_forward(self) -> None:
+        """A forward's graph is dropped before its backward: no node it built is awaited."""
         self.leaves.reset()
         self._expected = [0] * len(self.units)
         self._fired = [0] * len(self.units)
         self._prepaid = [0] * len(self.units)
-        self.plan.end(Pass.BACKWARD)
 
     def take_outside_uses(self) -> list[str]:
         """Names of the placeholders a backward reached (their ``.grad`` is cleared):

@@ -19,18 +19,36 @@ optimizer step, before anything is applied, the ranks compare hashes with one
 all-reduce of (h, -h) under MAX on the engine's group. On a mismatch every rank
 raises and the engine discards the step's gradients; the debug mode then names the
 units at the first divergent gather.
+
+The usual cause, a Mixture-of-Experts router that sends each rank's tokens to
+different experts, is caught earlier, before it can break a collective: its forward
+gathers every expert on all ranks alike (the layer is one group), but only the
+experts a rank's tokens picked have their weights read, and backward gathers and
+reduces exactly what was read (see [Note: leaf modules] in leaf_modules.py). So after
+every forward that builds a graph, ``ForwardReads`` sums over the ranks, per unit,
+whether the forward read it (one all-reduce of an int32 per unit); a unit outside the
+leaf modules read on some ranks but not all raises the same ``ConfigError`` on every
+rank, naming the parameters and the class to put in ``stage3_leaf_modules``, before
+any backward collective is issued. Without it, the backward's collectives diverged:
+gloo aborted the process ("collective mismatch") or NCCL waited, and the per-step
+check came too late to say why.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from .config import ConfigError
 from .flat import FlatUnit
 from .interrupt import Interrupt
+from .leaf_modules import suggested_leaves
+from .naming import some_names
 
 
 class GatherCheck:
@@ -98,7 +116,12 @@ class GatherDigest:
     """Per-step consensus on the sequence of gathers. See [Note: rank-divergent control
     flow]: a running hash of the unit indices issued, compared across ranks by ``check``."""
 
-    def __init__(self, group: dist.ProcessGroup | None, interrupt: Interrupt | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        interrupt: Interrupt | None = None,
+        device: torch.device | None = None,
+    ):
         self.group = group
         """The engine's data-parallel group: at the step nothing else is in flight on it
         (backward's gathers and reductions are done, the next forward's not begun), as
@@ -107,6 +130,8 @@ class GatherDigest:
         self.interrupt = interrupt
         """The engine's: a rank whose peer is lost during the comparison gives it up
         (see [Note: interrupting a collective] in interrupt.py)."""
+        self.device = device
+        """Where the probe lives: the units' device (an NCCL group takes no host tensor)."""
         self.value = 0
         """The hash of the gathers issued since the last check (0: none)."""
 
@@ -119,13 +144,8 @@ class GatherDigest:
         """Compare this rank's hash with every rank's and reset it; raise on every rank
         when they differ."""
         value, self.value = self.value, 0
-        probe = torch.tensor([value, -value], dtype=torch.int64)
-        work = dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        assert work is not None
-        if self.interrupt is not None:
-            self.interrupt.run(work.wait)
-        else:
-            work.wait()
+        probe = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        _all_reduce(probe, dist.ReduceOp.MAX, self.group, self.interrupt)
         if probe.tolist() == [value, -value]:
             return
         raise RuntimeError(
@@ -139,3 +159,63 @@ class GatherDigest:
             "e.g. MixtralSparseMoeBlock) in stage3_leaf_modules, or train the model at "
             "stage 0-2"
         )
+
+
+class ForwardReads:
+    """Per-forward consensus on the units a forward read. See [Note: rank-divergent
+    control flow]."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        root: nn.Module,
+        units: list[FlatUnit],
+        exempt: Collection[int],
+        interrupt: Interrupt | None = None,
+    ):
+        self.group, self.root, self.units, self.interrupt = group, root, units, interrupt
+        self.size = dist.get_world_size(group)
+        self.exempt = set(exempt)
+        """Units of leaf modules, whose backward is the same on every rank whatever was read."""
+
+    def check(self, read: Collection[int]) -> None:
+        """Return when every rank's forward read the same units outside the leaf
+        modules; otherwise raise the same ConfigError on every rank."""
+        counts = torch.zeros(len(self.units), dtype=torch.int32, device=self.units[0].flat.device)
+        if read:
+            counts[torch.tensor(sorted(read), device=counts.device)] = 1
+        _all_reduce(counts, dist.ReduceOp.SUM, self.group, self.interrupt)
+        split = [
+            i
+            for i in torch.nonzero((counts > 0) & (counts < self.size)).flatten().tolist()
+            if i not in self.exempt
+        ]
+        if not split:
+            return
+        names = [slot.names[0] for i in split for slot in self.units[i].slots]
+        leaves = suggested_leaves(self.root, names)
+        raise ConfigError(
+            f"stage 3: this forward read {some_names(names)} on some ranks but not all "
+            f"(on {int(counts[split[0]])} of {self.size}: rank-divergent control flow, such "
+            "as a Mixture-of-Experts router sending each rank's tokens to different "
+            "experts). Backward would gather and reduce them on those ranks only, and the "
+            "ranks' collectives would no longer match. Make the module that routes one "
+            f"leaf: stage3_leaf_modules={leaves!r} (see [Note: leaf modules]), or train "
+            "the model at stage 0-2"
+        )
+
+
+def _all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup | None,
+    interrupt: Interrupt | None,
+) -> None:
+    """One all-reduce on the engine's group, given up if a peer is lost (see [Note:
+    interrupting a collective] in interrupt.py)."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    assert work is not None
+    if interrupt is not None:
+        interrupt.run(work.wait)
+    else:
+        work.wait()

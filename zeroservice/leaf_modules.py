@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 
@@ -108,3 +109,24 @@ def _with_node(value):
     if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is None:
         return value.view_as(value)
     return value
+
+
+def suggested_leaves(root: nn.Module, names: Sequence[str]) -> list[str]:
+    """The class names to put in ``stage3_leaf_modules`` for parameters that ranks used
+    differently: for each, the module that holds the innermost ModuleList or ModuleDict
+    it sits in (an MoE layer holding its experts), or that list's item where the model
+    itself holds it (a block of the model's layers: the model as a leaf would be
+    gathered whole); a parameter in no such container suggests the module that
+    registers it."""
+    found: list[str] = []
+    for name in names:
+        parts = name.split(".")[:-1]
+        owner = ".".join(parts)
+        for end in range(len(parts) - 1, 0, -1):
+            if isinstance(root.get_submodule(".".join(parts[:end])), nn.ModuleList | nn.ModuleDict):
+                owner = ".".join(parts[: end - 1] if end > 1 else parts[: end + 1])
+                break
+        cls = type(root.get_submodule(owner)).__name__
+        if cls not in found:
+            found.append(cls)
+    return found

@@ -17,6 +17,7 @@ from tests.engine import harness
 from zeroservice import planner
 from zeroservice.config import ConfigError
 from zeroservice.launch import run_local
+from zeroservice.leaf_modules import suggested_leaves
 from zeroservice.partition import build_groups
 
 DIM, HIDDEN, EXPERTS, TOKENS, STEPS = 8, 48, 4, 3, 4
@@ -149,6 +150,94 @@ def assert_variants_follow_stage_0(results: list[dict]) -> None:
                 torch.testing.assert_close(
                     got["state"][key], value, rtol=1e-5, atol=1e-5 * scale, msg=(rank, name, key)
                 )
+
+
+class Blocks(Model):
+    """Only the blocks route (their MoE layers sit inside the blocks' list, as in
+    Mixtral): the forward's gathers are the same on every rank, its reads are not."""
+
+    def __init__(self):
+        super().__init__()
+        self.front = nn.Identity()
+
+
+def train_without_leaves(config: dict) -> list[tuple[str, object]]:
+    """Per step: ("refused", message) where the first forward raised ConfigError, else
+    ("trained", loss); a refused step leaves the engine ready for the next."""
+    torch.manual_seed(0)
+    engine = zeroservice.initialize(
+        Blocks(), config, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    )
+    out: list[tuple[str, object]] = []
+    for step in range(STEPS):
+        try:
+            loss = engine(*_batch(step))
+        except ConfigError as exc:
+            out.append(("refused", str(exc)))
+            continue
+        engine.backward(loss)
+        engine.step()
+        out.append(("trained", loss.item()))
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+def test_divergent_reads_without_a_leaf_are_refused_at_the_forward(prefetch):
+    """Without ``stage3_leaf_modules`` the ranks' backward collectives would differ (gloo
+    aborted the process, "collective mismatch"): every rank raises the same ConfigError
+    at the end of each such forward, naming the parameters and the class to make a
+    leaf, before any backward collective; the engine stays usable. With the leaf named,
+    the same steps train."""
+    config = {
+        "stage": 3,
+        "bucket_elements": 1024,
+        "stage3_persistence_elements": 0,
+        "stage3_check_gathers": False,  # as jobs run: no per-gather consensus to catch it
+    }
+    if not prefetch:
+        config["stage3_prefetch_elements"] = 0
+    ranks = run_local(train_without_leaves, 2, config, timeout_s=300)
+    assert ranks[0] == ranks[1]  # the same outcome and message on both ranks, each step
+    refused = [message for kind, message in ranks[0] if kind == "refused"]
+    assert len(refused) >= 2, ranks[0]  # the routing diverges at most steps
+    for message in refused:
+        assert isinstance(message, str)
+        assert re.match(r"stage 3: this forward read layers\.\d\.moe\.experts\.\d", message)
+        assert "on 1 of 2" in message
+        assert "stage3_leaf_modules=['SparseMoE']" in message
+    with_leaf = run_local(
+        train_without_leaves, 2, config | {"stage3_leaf_modules": ["SparseMoE"]}, timeout_s=300
+    )
+    assert all(kind == "trained" for rank in with_leaf for kind, _ in rank), with_leaf
+
+
+def test_the_suggested_leaf_is_the_module_holding_the_list():
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Linear(2, 2)
+
+    class SparseBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(Expert() for _ in range(2))
+            self.shared = nn.ModuleDict({"up": nn.Linear(2, 2)})
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleDict({"mlp": SparseBlock()}) for _ in range(2))
+            self.blocks = nn.ModuleList(Expert() for _ in range(2))
+            self.head = nn.Linear(2, 2)
+
+    root = Root()
+    names = [
+        "layers.1.mlp.experts.0.w1.weight",  # the block holding the experts' list
+        "layers.0.mlp.shared.up.bias",  # a ModuleDict's item: the block too
+        "blocks.1.w1.weight",  # in the model's own list: the item, not the model
+        "head.weight",  # in no list: its own module
+    ]
+    assert suggested_leaves(root, names) == ["SparseBlock", "Expert", "Linear"]
 
 
 def test_leaf_is_one_group_holding_no_other():
