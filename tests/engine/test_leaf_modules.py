@@ -166,7 +166,7 @@ def train_without_leaves(config: dict) -> list[tuple[str, object]]:
     ("trained", loss); a refused step leaves the engine ready for the next."""
     torch.manual_seed(0)
     engine = zeroservice.initialize(
-        Blocks(), config, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+        Blocks().to(harness.device()), config, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
     )
     out: list[tuple[str, object]] = []
     for step in range(STEPS):
@@ -196,7 +196,16 @@ def test_divergent_reads_without_a_leaf_are_refused_at_the_forward(prefetch):
     }
     if not prefetch:
         config["stage3_prefetch_elements"] = 0
-    ranks = run_local(train_without_leaves, 2, config, timeout_s=300)
+    assert_refused_without_leaves(run_local(train_without_leaves, 2, config, timeout_s=300))
+    with_leaf = run_local(
+        train_without_leaves, 2, config | {"stage3_leaf_modules": ["SparseMoE"]}, timeout_s=300
+    )
+    assert all(kind == "trained" for rank in with_leaf for kind, _ in rank), with_leaf
+
+
+def assert_refused_without_leaves(ranks: list[list[tuple[str, object]]]) -> None:
+    """Both ranks refused the same steps with the same message, naming the leaf to set
+    (tests/gpu reuses this)."""
     assert ranks[0] == ranks[1]  # the same outcome and message on both ranks, each step
     refused = [message for kind, message in ranks[0] if kind == "refused"]
     assert len(refused) >= 2, ranks[0]  # the routing diverges at most steps
@@ -205,10 +214,6 @@ def test_divergent_reads_without_a_leaf_are_refused_at_the_forward(prefetch):
         assert re.match(r"stage 3: this forward read layers\.\d\.moe\.experts\.\d", message)
         assert "on 1 of 2" in message
         assert "stage3_leaf_modules=['SparseMoE']" in message
-    with_leaf = run_local(
-        train_without_leaves, 2, config | {"stage3_leaf_modules": ["SparseMoE"]}, timeout_s=300
-    )
-    assert all(kind == "trained" for rank in with_leaf for kind, _ in rank), with_leaf
 
 
 def test_the_suggested_leaf_is_the_module_holding_the_list():

@@ -15,7 +15,12 @@ from tests.checkpoint import scenarios as ck
 from tests.checkpoint.states import assert_same_states, consolidated
 from tests.engine import harness, scenarios
 from tests.engine.scenarios import Spec
-from tests.engine.test_leaf_modules import assert_variants_follow_stage_0, train_variants
+from tests.engine.test_leaf_modules import (
+    assert_refused_without_leaves,
+    assert_variants_follow_stage_0,
+    train_variants,
+    train_without_leaves,
+)
 from tests.engine.test_precision import (
     BF16_CASES,
     FP16_CASES,
@@ -91,6 +96,14 @@ def test_leaf_modules_on_cuda():
     variants of tests/engine/test_leaf_modules.py (both groupings, checkpointing, no
     prefetch) train to stage 0's losses and weights on the GPU."""
     assert_variants_follow_stage_0(_run_on_gpu(train_variants, 2, backend="gloo"))
+
+
+def test_divergent_reads_are_refused_on_cuda():
+    """Without the leaf named, the forward's read consensus (its counts on the GPU, over
+    gloo) refuses the divergent steps on both ranks with the same message."""
+    config = {"stage": 3, "bucket_elements": 1024, "stage3_persistence_elements": 0}
+    config["stage3_check_gathers"] = False
+    assert_refused_without_leaves(_run_on_gpu(train_without_leaves, 2, config, backend="gloo"))
 
 
 @pytest.mark.parametrize("stage", STAGES)
