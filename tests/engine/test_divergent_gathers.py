@@ -1,6 +1,8 @@
 """Stage 3's always-on per-step gather consensus: ranks that gather different units of
-one size (a Mixture-of-Experts router sending each rank's tokens to other experts) are
-refused at the step, with the weights unchanged, instead of training silently wrong."""
+one size in one forward are refused at the step, with the weights unchanged, instead of
+training silently wrong. Here the ranks read the same experts in different orders, so
+the forward's read consensus (which catches a router sending ranks' tokens to different
+experts: tests/engine/test_leaf_modules.py) agrees, and only the order differs."""
 
 from __future__ import annotations
 
@@ -15,16 +17,18 @@ EXPERTS = 4
 
 
 class _Block(nn.Module):
-    """A projection and equal-size experts; ``route`` picks the expert."""
+    """A projection and equal-size experts; ``route`` lists the experts applied, in order."""
 
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(8, 16)
         self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(EXPERTS))
 
-    def forward(self, x: torch.Tensor, route: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route: tuple[int, ...]) -> torch.Tensor:
         h = torch.tanh(self.proj(x))
-        return torch.tanh(self.experts[route](h))
+        for e in route:
+            h = torch.tanh(self.experts[e](h))
+        return h
 
 
 class _MoE(nn.Module):
@@ -33,7 +37,7 @@ class _MoE(nn.Module):
         self.block = _Block()
         self.head = nn.Linear(16, 1)
 
-    def forward(self, x: torch.Tensor, route: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route: tuple[int, ...]) -> torch.Tensor:
         return self.head(self.block(x, route)).pow(2).mean()
 
 
@@ -56,7 +60,7 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=g)
 
 
-def _train(engine: zeroservice.Engine, step: int, route: int) -> float:
+def _train(engine: zeroservice.Engine, step: int, route: tuple[int, ...]) -> float:
     loss = engine(_batch(step), route)
     engine.backward(loss)
     engine.step()
@@ -71,8 +75,9 @@ def _optimizer_state(engine: zeroservice.Engine) -> list[torch.Tensor]:
 
 
 def divergent_step_refused() -> dict:
-    """One agreed step, then a step where rank r uses expert r (same-size units), then
-    an agreed step again. No prefetching: a rank off the plan recorded in the first
+    """One agreed step, then a step where rank 0 applies experts 0 then 1 and rank 1
+    experts 1 then 0 (same-size units, the same ones read), then an agreed step again.
+    No prefetching: a rank off the plan recorded in the first
     step would prefetch the plan's expert and gather its own on top, a different number
     of gathers, which gloo's size check may catch; what is left to catch is the silent
     case, the same sizes in the same order."""
@@ -81,10 +86,10 @@ def divergent_step_refused() -> dict:
         u.index for u in engine.units if any(".experts." in s.names[0] for s in u.slots)
     }
     sizes = {engine.units[i].padded_numel for i in expert_units}
-    _train(engine, 0, route=0)
+    _train(engine, 0, route=(0, 1))
     before, optim_before = engine.state_dict(), _optimizer_state(engine)
     steps_before = (engine.applied_steps, engine.global_steps)
-    loss = engine(_batch(1), route=dist.get_rank())
+    loss = engine(_batch(1), route=(0, 1) if dist.get_rank() == 0 else (1, 0))
     engine.backward(loss)
     message = "no error"
     try:
@@ -99,7 +104,7 @@ def divergent_step_refused() -> dict:
         torch.equal(a, b) for a, b in zip(optim_before, optim_after, strict=True)
     )
     steps_after = (engine.applied_steps, engine.global_steps)
-    _train(engine, 2, route=0)  # the engine goes on after a refused step
+    _train(engine, 2, route=(0, 1))  # the engine goes on after a refused step
     return {
         "expert_units": len(expert_units),
         "expert_sizes": len(sizes),
@@ -111,9 +116,9 @@ def divergent_step_refused() -> dict:
 
 
 def agreed_routing(stage: int) -> list[float]:
-    """Both ranks route to expert 1 (the others unused on every rank)."""
+    """Both ranks apply expert 1 alone (the others unused on every rank)."""
     engine = _engine(stage)
-    return [_train(engine, step, route=1) for step in range(4)]
+    return [_train(engine, step, route=(1,)) for step in range(4)]
 
 
 def test_divergent_gathers_refuse_the_step_on_every_rank():
