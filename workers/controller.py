@@ -106,6 +106,8 @@ class Interruption(enum.Enum):
     LOST = "worker_lost"
     STALLED = "stalled"
     ERROR = "training_error"
+    REFUSED = "config_error"
+    """A rank's engine raised ConfigError in a call: every retry would fail alike."""
 
 
 @dataclass
@@ -528,7 +530,7 @@ class JobController:
         group.shutdown(clean=False)
         if stop.why is Interruption.CANCELLED:
             return self._cancelled()
-        if stop.why is Interruption.ERROR:
+        if stop.why in (Interruption.ERROR, Interruption.REFUSED):
             return Failed(reason=stop.why.value, message=stop.message)
         return self._restart(stop.why.value, stop.message, ranks=stop.ranks)
 
@@ -626,9 +628,8 @@ class JobController:
                     dead = group.dead()
                     if dead:
                         return self._lost(group, dead, answer.message), results
-                    return Interrupted(
-                        Interruption.ERROR, f"rank {rank}: {answer.message}", [rank]
-                    ), results
+                    why = Interruption.REFUSED if answer.refused else Interruption.ERROR
+                    return Interrupted(why, f"rank {rank}: {answer.message}", [rank]), results
                 results[rank] = answer
             if not pending:
                 break

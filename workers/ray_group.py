@@ -200,7 +200,7 @@ class RayWorkerGroup:
         except RayActorError as exc:
             return RankDied(rank, short(exc))
         except RayTaskError as exc:
-            return RankError(rank, short(exc))
+            return RankError(rank, short(exc), refused_by_engine([exc]))
 
     def progress(self, ranks: list[int], timeout: float) -> dict[int, RankProgress | None]:
         refs = {r: self.actors[r].progress.remote() for r in ranks}

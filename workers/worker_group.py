@@ -31,11 +31,13 @@ class RankDied(Exception):
 
 
 class RankError(Exception):
-    """The rank's call raised; the rank itself may still be alive."""
+    """The rank's call raised; the rank itself may still be alive. ``refused``: the
+    engine's ConfigError (stage 3 refusing a forward whose ranks read different
+    experts, say): the job's configuration does not suit its model."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, refused: bool = False):
         super().__init__(message)
-        self.rank, self.message = rank, message
+        self.rank, self.message, self.refused = rank, message, refused
 
 
 class GroupStartFailed(Exception):
@@ -50,8 +52,8 @@ class GroupStartFailed(Exception):
 
 
 def refused_by_engine(errors: list[BaseException]) -> bool:
-    """A rank's set-up raised the engine's ConfigError (Ray's task error is also an
-    instance of the error it carries; a RankError has it as its cause)."""
+    """A rank's set-up or call raised the engine's ConfigError (Ray's task error is also
+    an instance of the error it carries; a RankError has it as its cause)."""
     return any(isinstance(e, ConfigError) or isinstance(e.__cause__, ConfigError) for e in errors)
 
 
@@ -184,7 +186,8 @@ class InProcessGroup:
             self._gone.add(rank)
             raise
         except Exception as exc:
-            raise RankError(rank, f"{type(exc).__name__}: {exc}") from exc
+            refused = refused_by_engine([exc])
+            raise RankError(rank, f"{type(exc).__name__}: {exc}", refused) from exc
 
     def begin(self, method: str, *args: Any) -> None:
         assert not self._pending, "a call is still running"

@@ -200,8 +200,8 @@ class ForwardReads:
             "as a Mixture-of-Experts router sending each rank's tokens to different "
             "experts). Backward would gather and reduce them on those ranks only, and the "
             "ranks' collectives would no longer match. Make the module that routes one "
-            f"leaf: stage3_leaf_modules={leaves!r} (see [Note: leaf modules]), or train "
-            "the model at stage 0-2"
+            f"leaf: stage3_leaf_modules={leaves!r} (docs/configuration.md), or train the "
+            "model at stage 0-2"
         )
 
 

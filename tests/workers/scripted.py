@@ -37,6 +37,8 @@ class Script:
     """Attempts whose rank 0 fails to join the group."""
     refuse_setup: set[int] = field(default_factory=set)
     """Attempts whose ranks' engines refuse the configuration (ConfigError)."""
+    refuse_step: set[tuple[int, int, int]] = field(default_factory=set)
+    """Where a rank's engine refuses a forward (ConfigError: ranks read different experts)."""
     on_kill: Any = None
     on_save: Any = None
     """Called with the step saved (by rank 0)."""
@@ -175,6 +177,8 @@ class ScriptedRank:
                 raise RankDied(self.rank, "the actor died unexpectedly")
             if where in self.script.error:
                 raise ValueError(f"loss is nan at step {self.step + 1}")
+            if where in self.script.refuse_step:
+                raise ConfigError("stage 3: this forward read experts.1.w on some ranks only")
             if where in self.script.stuck:
                 self.script.stuck.discard(where)  # once: after the regroup it trains on
                 self.phase = "training, micro-batch 0"

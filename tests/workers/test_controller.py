@@ -165,6 +165,15 @@ def test_a_training_error_fails_the_job_without_a_restart():
     assert ctl.record.restarts == 0
 
 
+def test_a_step_the_engine_refuses_fails_the_job_as_a_configuration_error():
+    script = Script(refuse_step={(1, 0, 2)})
+    ctl = _controller(tiny_job(steps=8), scripted_pool(script, capacity=2))
+    assert _steps(ctl, 3)[-1] == (Running, Failed)
+    assert ctl.state.reason == "config_error"
+    assert "rank 0: ConfigError: stage 3: this forward read experts.1.w" in ctl.state.message
+    assert ctl.record.restarts == 0
+
+
 def test_a_failed_start_counts_a_restart_and_tries_again():
     script = Script(fail_setup={1})
     ctl = _controller(tiny_job(steps=4), scripted_pool(script, capacity=2))
