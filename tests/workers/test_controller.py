@@ -156,21 +156,23 @@ def test_the_restart_budget_spent_fails_the_job():
     assert ctl.record.restarts == 2 and ctl.record.status == JobState.FAILED
 
 
-def test_a_training_error_fails_the_job_without_a_restart():
-    script = Script(error={(1, 1, 3)})
-    ctl = _controller(tiny_job(steps=8), scripted_pool(script, capacity=2))
+@pytest.mark.parametrize(
+    "fault,reason,message",
+    [
+        ({"error": {(1, 1, 3)}}, "training_error", "rank 1: ValueError: loss is nan at step 3"),
+        (  # the engine's ConfigError: every retry would fail alike
+            {"refuse_step": {(1, 0, 2)}},
+            "config_error",
+            "rank 0: ConfigError: stage 3: this forward read experts.1.w",
+        ),
+    ],
+    ids=["error", "refused"],
+)
+def test_an_error_in_training_fails_the_job_without_a_restart(fault, reason, message):
+    ctl = _controller(tiny_job(steps=8), scripted_pool(Script(**fault), capacity=2))
     assert _steps(ctl, 3)[-1] == (Running, Failed)
-    assert ctl.state.reason == "training_error"
-    assert "rank 1: ValueError: loss is nan at step 3" in ctl.state.message
-    assert ctl.record.restarts == 0
-
-
-def test_a_step_the_engine_refuses_fails_the_job_as_a_configuration_error():
-    script = Script(refuse_step={(1, 0, 2)})
-    ctl = _controller(tiny_job(steps=8), scripted_pool(script, capacity=2))
-    assert _steps(ctl, 3)[-1] == (Running, Failed)
-    assert ctl.state.reason == "config_error"
-    assert "rank 0: ConfigError: stage 3: this forward read experts.1.w" in ctl.state.message
+    assert ctl.state.reason == reason
+    assert message in ctl.state.message
     assert ctl.record.restarts == 0
 
 
