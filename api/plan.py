@@ -14,7 +14,7 @@ from typing import Any
 
 from workers.spec import GPTModelSpec, JobSpec
 from zeroservice.autoconf import RUNTIME_RESERVE
-from zeroservice.config import ZeroConfig
+from zeroservice.config import KNOWN_MOE_LEAVES, ZeroConfig
 
 from .confine import Refused
 
@@ -119,7 +119,8 @@ def uncovered(spec: JobSpec, cfg: ZeroConfig) -> str | None:
         return "engine.redundancy: host copies"
     if cfg.quantized_weights or cfg.hierarchical_partition or cfg.quantized_gradients != "none":
         return "engine: ZeRO++ switches"
-    if cfg.stage == 3 and cfg.stage3_leaf_modules:
+    if cfg.stage == 3 and set(cfg.stage3_leaf_modules) - set(KNOWN_MOE_LEAVES):
+        # (the default's MoE layers are not in the reference GPT)
         return "engine.stage3_leaf_modules: leaf modules (gathered and staged whole in backward)"
     return None
 

@@ -27,6 +27,20 @@ GradientQuantization = Literal["none", "int8", "int4"]
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+KNOWN_MOE_LEAVES = (
+    "MixtralSparseMoeBlock",
+    "Qwen2MoeSparseMoeBlock",
+    "Qwen3MoeSparseMoeBlock",
+    "DeepseekV3MoE",
+    "OlmoeSparseMoeBlock",
+    "PhimoeSparseMoeBlock",
+)
+"""transformers' Mixture-of-Experts layers (their experts a ModuleList, each called only
+for the tokens routed to it), the default of ``stage3_leaf_modules``: each trains at
+stage 3 as a leaf to data parallelism's losses (5e-8; docs/configuration.md). A model
+without them is not affected, and none of them is refused for being absent."""
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
@@ -263,13 +277,14 @@ class ZeroConfig:
     "size": the largest modules of at most ``bucket_elements`` parameters, so that
     gather buffers stay constant as the model grows. Models without a ModuleList fall
     back to "size"."""
-    stage3_leaf_modules: list[str] = field(default_factory=list)
+    stage3_leaf_modules: list[str] = field(default_factory=lambda: list(KNOWN_MOE_LEAVES))
     """Stage 3: modules (by class name, e.g. "MixtralSparseMoeBlock", or by qualified
     name) each gathered as one group whose backward gathers and reduces all of its
     parameters together, whichever this rank's forward used: a Mixture-of-Experts
     layer, whose router sends each rank's tokens to different experts, then trains as
-    at stage 0. A name that matches no module is refused at ``initialize``. See [Note:
-    leaf modules] in leaf_modules.py."""
+    at stage 0. A name that matches no module is refused at ``initialize``, except the
+    default's, transformers' MoE layers (``KNOWN_MOE_LEAVES``), which a list
+    given replaces and ``[]`` turns off. See [Note: leaf modules] in leaf_modules.py."""
     stage3_prefetch_elements: int | None = None
     """Stage 3: budget of gathered (live) parameter elements, counting in-flight
     gathers; the next groups, in the recorded order, are gathered ahead of use only

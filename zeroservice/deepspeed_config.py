@@ -19,7 +19,14 @@ from typing import Any, overload
 
 import torch
 
-from .config import ConfigError, LossScaleConfig, ScheduleConfig, ZeroConfig, _is_int
+from .config import (
+    KNOWN_MOE_LEAVES,
+    ConfigError,
+    LossScaleConfig,
+    ScheduleConfig,
+    ZeroConfig,
+    _is_int,
+)
 from .optim import OptimizerFactory
 
 _TOP = {
@@ -58,6 +65,7 @@ _ZERO = {
     "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights",
     "zero_hpz_partition_size",
+    "leaf_module",
 }
 _FP16 = {
     "enabled",
@@ -262,7 +270,33 @@ def _zero(zero: dict[str, Any], out: dict[str, Any]) -> None:
             raise ConfigError(f"{inner}device={device!r}: only cpu (or none)")
         _insist(offload, "pin_memory", True, inner)
         out["offload_optimizer"] = device == "cpu"
+    if zero.get("leaf_module") is not None:
+        out["stage3_leaf_modules"] = _leaf_modules(_section(zero, "leaf_module", where))
     _zeropp(zero, out)
+
+
+def _leaf_modules(leaf: dict[str, Any]) -> list[str]:
+    """``zero_optimization.leaf_module``: ``classes`` (replacing the default list, as in
+    DeepSpeed; a dotted path is matched by its class name) and qualified ``names``."""
+    where = "zero_optimization.leaf_module."
+    _refuse_unknown(leaf, {"classes", "names", "name_suffixes"}, where)
+    if _names(leaf, "name_suffixes", where):
+        raise ConfigError(
+            f"{where}name_suffixes: not supported; list the modules' qualified names in "
+            "names, or their classes in classes"
+        )
+    classes = _names(leaf, "classes", where) if "classes" in leaf else list(KNOWN_MOE_LEAVES)
+    return [c.rsplit(".", 1)[-1] for c in classes] + _names(leaf, "names", where)
+
+
+def _names(section: dict[str, Any], key: str, where: str) -> list[str]:
+    """A list of non-empty strings (one string: a list of one; absent: none)."""
+    value = section.get(key, [])
+    _not_auto(value, f"{where}{key}")
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(v, str) and v.strip() for v in names):
+        raise ConfigError(f"{where}{key}={value!r}: must be a list of names")
+    return names
 
 
 def _zeropp(zero: dict[str, Any], out: dict[str, Any]) -> None:

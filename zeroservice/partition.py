@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .config import ConfigError
+from .config import KNOWN_MOE_LEAVES, ConfigError
 
 NamedParams = list[tuple[list[str], nn.Parameter]]
 
@@ -116,7 +116,8 @@ def leaf_modules(root: nn.Module, leaves: Sequence[str]) -> list[str]:
     each entry a class name (``"MixtralSparseMoeBlock"``) or a qualified module name
     (``"model.layers.0.mlp"``). An entry that names no module with parameters, or a
     container without a forward (a ModuleList), is refused by name: a misspelt one
-    would leave the model to fail at its first divergent step."""
+    would leave the model to fail at its first divergent step. The known MoE layers
+    (``config.KNOWN_MOE_LEAVES``) may be absent."""
     if not leaves:
         return []
     wanted = set(leaves)
@@ -135,7 +136,7 @@ def leaf_modules(root: nn.Module, leaves: Sequence[str]) -> list[str]:
         matched |= hits
         if not _under(qual, found):
             found.append(qual)
-    missing = [name for name in leaves if name not in matched]
+    missing = [name for name in leaves if name not in matched and name not in KNOWN_MOE_LEAVES]
     if missing:
         classes = sorted({type(m).__name__ for m in root.modules() if _param_count(m) > 0})
         raise ConfigError(

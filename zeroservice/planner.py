@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import MIN_BUCKET_ELEMENTS, ConfigError
+from .config import KNOWN_MOE_LEAVES, MIN_BUCKET_ELEMENTS, ConfigError
 from .memory import PARAM_BYTES, model_state_kinds
 from .quantize import BITS, packed_bytes
 
@@ -654,7 +654,7 @@ def unit_sizes_for_module(
     stage: int,
     bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
-    stage3_leaf_modules: Sequence[str] = (),
+    stage3_leaf_modules: Sequence[str] = KNOWN_MOE_LEAVES,
 ) -> list[tuple[int, int]]:
     """(elements, padded elements) of every trainable unit the engine would form for
     ``module`` (frozen units hold no gradient, master or optimizer state).
@@ -708,7 +708,7 @@ def model_state_bytes_for_module(
     optimizer_bytes: int = 8,
     bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
-    stage3_leaf_modules: Sequence[str] = (),
+    stage3_leaf_modules: Sequence[str] = KNOWN_MOE_LEAVES,
 ) -> int:
     """Model-state bytes per rank the engine will hold for this module, padding included:
     the engine's ``memory_ledger().model_states`` before it runs (Adam: 8 bytes)."""
@@ -734,7 +734,7 @@ def frozen_bytes_for_module(
     precision: str,
     bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
-    stage3_leaf_modules: Sequence[str] = (),
+    stage3_leaf_modules: Sequence[str] = KNOWN_MOE_LEAVES,
 ) -> int:
     """Bytes per rank of the module's frozen parameters (``requires_grad=False``): their
     padded units in the training dtype, this rank's 1/N_d of them at stage 3; no

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .config import KNOWN_MOE_LEAVES
 from .flat import frozen_key, padded_size, split_into_units, trainable_parameters
 from .partition import Group, NamedParams, build_groups
 
@@ -111,7 +112,7 @@ def plan_layout(
     persistence_elements: int | None = None,
     stage3_grouping: str = "blocks",
     opt_group: dict[int, int] | None = None,
-    stage3_leaf_modules: Sequence[str] = (),
+    stage3_leaf_modules: Sequence[str] = KNOWN_MOE_LEAVES,
 ) -> Layout:
     """Cut ``module``'s parameters into units as the engine will; ``world``: the
     data-parallel degree N_d (budgets follow it at every stage, so that all stages cut a

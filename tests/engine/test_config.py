@@ -11,7 +11,7 @@ from torch import nn
 
 import zeroservice
 from zeroservice import ConfigError, ZeroConfig, from_deepspeed
-from zeroservice.config import LossScaleConfig, ScheduleConfig
+from zeroservice.config import KNOWN_MOE_LEAVES, LossScaleConfig, ScheduleConfig
 from zeroservice.precision import DynamicLossScaler
 from zeroservice.schedule import lr_factor
 
@@ -173,6 +173,35 @@ def test_deepspeed_zeropp_keys_translate():
 def test_deepspeed_zeropp_keys_are_refused_by_name(zero, message):
     with pytest.raises(ConfigError, match=f"^zero_optimization\\.{message}"):
         from_deepspeed({"zero_optimization": zero})
+
+
+def test_deepspeed_leaf_modules_translate():
+    def leaves(leaf_module) -> list[str]:
+        zero = {"stage": 3, "leaf_module": leaf_module}
+        return from_deepspeed({"zero_optimization": zero}).config.stage3_leaf_modules
+
+    assert from_deepspeed({}).config.stage3_leaf_modules == list(KNOWN_MOE_LEAVES)
+    dotted = "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock"
+    # classes replace the default list (as in DeepSpeed); names are added to it
+    assert leaves({"classes": [dotted, "MyMoE"]}) == ["MixtralSparseMoeBlock", "MyMoE"]
+    assert leaves({"classes": "MyMoE"}) == ["MyMoE"]
+    assert leaves({"names": ["model.layers.0.mlp"]}) == [*KNOWN_MOE_LEAVES, "model.layers.0.mlp"]
+    assert leaves({"classes": [], "name_suffixes": []}) == []
+
+
+@pytest.mark.parametrize(
+    "leaf_module,message",
+    [
+        ({"name_suffixes": ["mlp"]}, "leaf_module.name_suffixes: not supported"),
+        ({"classes": [3]}, "leaf_module.classes=[3]: must be a list of names"),
+        ({"names": ""}, "leaf_module.names='': must be a list of names"),
+        ({"types": ["X"]}, "leaf_module.types: not supported by zeroservice"),
+        ("MyMoE", "leaf_module: expected an object"),
+    ],
+)
+def test_deepspeed_leaf_modules_are_refused_by_name(leaf_module, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(f"zero_optimization.{message}")):
+        from_deepspeed({"zero_optimization": {"stage": 3, "leaf_module": leaf_module}})
 
 
 def test_deepspeed_offload_and_activation_checkpointing_translate():

@@ -18,7 +18,7 @@ from zeroservice import planner
 from zeroservice.config import ConfigError
 from zeroservice.launch import run_local
 from zeroservice.leaf_modules import suggested_leaves
-from zeroservice.partition import build_groups
+from zeroservice.partition import build_groups, leaf_modules
 
 DIM, HIDDEN, EXPERTS, TOKENS, STEPS = 8, 48, 4, 3, 4
 
@@ -214,6 +214,72 @@ def assert_refused_without_leaves(ranks: list[list[tuple[str, object]]]) -> None
         assert re.match(r"stage 3: this forward read layers\.\d\.moe\.experts\.\d", message)
         assert "on 1 of 2" in message
         assert "stage3_leaf_modules=['SparseMoE']" in message
+
+
+def _tiny_mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        num_local_experts=4, num_experts_per_tok=1,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
+def _train_mixtral(config: dict) -> dict:
+    engine = zeroservice.initialize(
+        _tiny_mixtral(), config, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    )
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+        ids = torch.randint(0, 64, (1, 4), generator=g)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "leaves": [g.name for g in engine.layout.groups or [] if g.leaf]}
+
+
+def mixtral_by_default() -> dict:
+    """transformers' Mixtral at stage 0, at stage 3 with the default configuration, and
+    at stage 3 with the default list turned off."""
+    stage3 = {"stage": 3, "bucket_elements": 1024, "stage3_persistence_elements": 0}
+    out: dict = {"stage 0": _train_mixtral({"stage": 0}), "stage 3": _train_mixtral(stage3)}
+    try:
+        off = stage3 | {"stage3_leaf_modules": [], "stage3_check_gathers": False}
+        out["off"] = _train_mixtral(off)
+    except ConfigError as exc:
+        out["off"] = str(exc)
+    return out
+
+
+def test_transformers_moe_layers_are_leaves_by_default():
+    """The default ``stage3_leaf_modules`` names transformers' MoE layers: a Mixtral
+    whose ranks route to different experts trains at stage 3 to stage 0's losses with
+    no setting; with the list emptied, its first divergent forward is refused, naming
+    the class."""
+    for r in run_local(mixtral_by_default, 2, timeout_s=300):
+        assert r["stage 3"]["leaves"] == [f"model.layers.{i}.block_sparse_moe" for i in (0, 1)]
+        torch.testing.assert_close(
+            torch.tensor(r["stage 3"]["losses"]),
+            torch.tensor(r["stage 0"]["losses"]),
+            rtol=1e-5,
+            atol=0,
+        )
+        assert isinstance(r["off"], str), r["off"]
+        assert "stage3_leaf_modules=['MixtralSparseMoeBlock']" in r["off"]
+
+
+def test_a_known_moe_layer_the_model_lacks_is_not_refused():
+    model = Model()
+    assert leaf_modules(model, ["SparseMoE", "MixtralSparseMoeBlock"]) == [
+        "front", "layers.0.moe", "layers.1.moe",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="'MixtralSparseMoe' names no module"):
+        leaf_modules(model, ["MixtralSparseMoe"])
 
 
 def test_the_suggested_leaf_is_the_module_holding_the_list():

@@ -310,19 +310,13 @@ def test_transformers_model_job(local_ray, tmp_path):
 
 
 def test_a_mixture_of_experts_job_at_stage_3_and_one_its_engine_refuses(local_ray, tmp_path):
-    """Its MoE layers named as leaf modules, a Mixtral trains at stage 3; the same job
-    with a misspelt class name fails at start, naming it, without restarting; without
-    leaf modules, its first forward whose ranks read different experts fails it, naming
-    the class to set, without restarting."""
+    """A Mixtral trains at stage 3 with no setting (its MoE layers are leaf modules by
+    default); the same job with a misspelt class name fails at start, naming it, without
+    restarting; with the leaf modules turned off, its first forward whose ranks read
+    different experts fails it, naming the class to set, without restarting."""
     ray = local_ray
     engine = {"stage": 3, "bucket_elements": 1024, "stage3_persistence_elements": 0}
-    spec = tiny_job(
-        steps=4,
-        micro_batch=1,
-        model=TINY_MIXTRAL,
-        engine=engine | {"stage3_leaf_modules": ["MixtralSparseMoeBlock"]},
-        max_restarts=2,
-    )
+    spec = tiny_job(steps=4, micro_batch=1, model=TINY_MIXTRAL, engine=engine, max_restarts=2)
     handle, status = _run(ray, "moe", spec, tmp_path / "ckpt")
     assert status == "succeeded", ray.get(handle.status.remote())
     assert sorted(ray.get(handle.losses.remote())) == [1, 2, 3, 4]
@@ -335,8 +329,8 @@ def test_a_mixture_of_experts_job_at_stage_3_and_one_its_engine_refuses(local_ra
     assert "MixtralSparseMoeBlock" in info["message"]  # among the classes it lists
     assert not [e for e in ray.get(handle.events.remote()) if e["kind"] == "restart"]
     ray.kill(handle)
-    plain = spec.model_copy(update={"engine": engine})
-    handle, status = _run(ray, "moe-plain", plain, tmp_path / "plain")
+    off = spec.model_copy(update={"engine": engine | {"stage3_leaf_modules": []}})
+    handle, status = _run(ray, "moe-off", off, tmp_path / "off")
     info = ray.get(handle.status.remote())
     assert status == "failed" and info["reason"] == "config_error", info
     assert "on some ranks but not all" in info["message"]
