@@ -101,8 +101,12 @@ def test_leaf_modules_on_cuda():
 def test_divergent_reads_are_refused_on_cuda():
     """Without the leaf named, the forward's read consensus (its counts on the GPU, over
     gloo) refuses the divergent steps on both ranks with the same message."""
-    config = {"stage": 3, "bucket_elements": 1024, "stage3_persistence_elements": 0}
-    config["stage3_check_gathers"] = False
+    config = {
+        "stage": 3,
+        "bucket_elements": 1024,
+        "stage3_persistence_elements": 0,
+        "stage3_check_gathers": False,
+    }
     assert_refused_without_leaves(_run_on_gpu(train_without_leaves, 2, config, backend="gloo"))
 
 
