@@ -356,6 +356,9 @@ class Engine:
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.micro_steps = 0
         """Backward passes since the last optimizer step."""
+        self._buffers_due = True
+        """Whether the next forward broadcasts rank 0's buffers (see [Note: when buffers
+        are broadcast])."""
         self.global_steps = 0
         """Optimizer steps attempted (applied or skipped)."""
         self.applied_steps = 0
@@ -382,7 +385,7 @@ class Engine:
         if torch.is_grad_enabled():
             self._planned.check()
             self.host_trim()  # what the last step freed: see [Note: host heap trimming]
-        if self.config.broadcast_buffers:
+        if self.config.broadcast_buffers and self._buffers_due:
             self._broadcast_buffers()
         if self._forward_writes is not None and torch.is_grad_enabled():
             self._forward_writes.forward_begins()
@@ -399,8 +402,10 @@ class Engine:
                         raise RuntimeError(found) from exc
                     raise
             self._check_forward_reads()
-            return out
-        return self.module(*args, **kwargs)
+        else:
+            out = self.module(*args, **kwargs)
+        self._buffers_due = torch.is_grad_enabled() and self.is_gradient_accumulation_boundary()
+        return out
 
     def _check_forward_reads(self) -> None:
         """Stage 3: every rank's forward read the same weights, or the step is discarded
@@ -444,6 +449,16 @@ class Engine:
             self.comm.device_type,
         )
 
+    # [Note: when buffers are broadcast]
+    # DDP's broadcast_buffers copies rank 0's buffers before a forward only when the
+    # forward before it built a graph and was to synchronize its gradients (or there was
+    # none): the first forward of a step, every forward at one micro-batch per step, and
+    # an evaluation forward right after a step. A forward under ``no_sync`` (a
+    # micro-batch before the step's last) sets the flag off, and so does one without a
+    # graph. The engine keeps the same rule, with "the step's last micro-batch" for
+    # "outside no_sync", so that running statistics, and a model whose training forward
+    # reads its own buffers, follow DDP under gradient accumulation too. A discarded
+    # step starts the next one as a first forward.
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers to every rank before a forward (DDP's broadcast_buffers)."""
         if self.dp_world > 1:
@@ -582,6 +597,7 @@ class Engine:
         """Drop the step's gradients so far; the engine is between steps again."""
         self.reducer.zero_grads()
         self.micro_steps = 0
+        self._buffers_due = True
         self.state.reset_to(TrainingState.IDLE)
 
     # -- ledgers ----------------------------------------------------------------------

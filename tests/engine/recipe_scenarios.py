@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -14,9 +15,25 @@ from tests.engine import harness
 from zeroservice.config import ZeroConfig
 
 
+class _RunningCentre(nn.Module):
+    """Subtracts a running mean that its training forward updates and reads: a buffer
+    whose value enters the loss, so a rank holding another rank's buffer trains
+    differently."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("centre", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.centre.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x - self.centre
+
+
 class _Norms(nn.Module):
-    """Two blocks with BatchNorm: running statistics are buffers that ranks update
-    from their own batches."""
+    """Two blocks with BatchNorm and a running centre: running statistics are buffers
+    that ranks update from their own batches."""
 
     def __init__(self, width: int = 16):
         super().__init__()
@@ -24,12 +41,11 @@ class _Norms(nn.Module):
             nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU())
             for _ in range(2)
         )
+        self.centre = _RunningCentre(width)
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).square().mean()
+        return self.head(self.centre(self.blocks[1](self.blocks[0](x)))).square().mean()
 
 
 def _batch(step: int, rank: int, width: int = 16) -> torch.Tensor:
@@ -37,13 +53,23 @@ def _batch(step: int, rank: int, width: int = 16) -> torch.Tensor:
     return torch.randn(8, width, generator=g) * (1 + rank)  # ranks see different statistics
 
 
-def batchnorm_vs_ddp(stages: list[int], steps: int = 5) -> list[dict]:
-    """Losses and buffers of the engine (broadcast_buffers on) and of DDP, per stage
-    (SGD with momentum: weights, hence statistics, stay within rounding of DDP's)."""
-    return [_batchnorm_at(stage, steps) for stage in stages]
+def batchnorm_vs_ddp(cases: list[tuple[int, int]], steps: int = 4) -> dict:
+    """Losses and buffers of the engine (broadcast_buffers on) and of DDP, per (stage,
+    micro-batches per step), with an evaluation forward after every step (SGD with
+    momentum: weights, hence statistics, stay within rounding of DDP's)."""
+    return {(stage, accum): _batchnorm_at(stage, accum, steps) for stage, accum in cases}
 
 
-def _batchnorm_at(stage: int, steps: int) -> dict:
+def _evaluate(model, x: torch.Tensor) -> float:
+    """A forward without a graph, in eval mode (running statistics are read)."""
+    model.module.eval()
+    with torch.no_grad():
+        loss = model(x).item()
+    model.module.train()
+    return loss
+
+
+def _batchnorm_at(stage: int, accum: int, steps: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(5)
     model = _Norms()
@@ -52,26 +78,39 @@ def _batchnorm_at(stage: int, steps: int) -> dict:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     engine = zeroservice.initialize(
         model,
-        ZeroConfig(stage=stage, bucket_elements=1024),
+        ZeroConfig(stage=stage, bucket_elements=1024, gradient_accumulation_steps=accum),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     )
-    losses, ref_losses = [], []
+    losses, ref_losses, evals, ref_evals = [], [], [], []
     for step in range(steps):
-        x = _batch(step, rank)
-        loss = engine(x)
-        engine.backward(loss)
+        total = ref_total = 0.0
+        for m in range(accum):
+            x = _batch(step * accum + m, rank)
+            loss = engine(x)
+            engine.backward(loss)  # the engine divides by the micro-batches itself
+            total += loss.item() / accum
+            with ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():
+                ref_loss = ddp(x)
+                (ref_loss / accum).backward()
+            ref_total += ref_loss.item() / accum
         engine.step()
-        losses.append(harness.mean_over_ranks(loss.item()))
-        ref_loss = ddp(x)
-        ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(harness.mean_over_ranks(ref_loss.item()))
+        losses.append(harness.mean_over_ranks(total))
+        ref_losses.append(harness.mean_over_ranks(ref_total))
+        # Each rank's own statistics, before an evaluation broadcasts rank 0's.
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+        ref_buffers = {k: v.clone() for k, v in ref.named_buffers()}
+        x = _batch(1000 + step, rank)
+        evals.append(_evaluate(engine, x))
+        ref_evals.append(_evaluate(ddp, x))
     return {
         "losses": losses,
         "ref_losses": ref_losses,
-        "buffers": {k: v.clone() for k, v in model.named_buffers()},
-        "ref_buffers": {k: v.clone() for k, v in ref.named_buffers()},
+        "evals": evals,
+        "ref_evals": ref_evals,
+        "buffers": buffers,
+        "ref_buffers": ref_buffers,
     }
 
 

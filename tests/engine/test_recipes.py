@@ -131,20 +131,28 @@ def test_exit_without_close_is_clean_50_times():
     assert codes == ["0"] * 100
 
 
+BUFFER_CASES = [(stage, accum) for stage in (0, 1, 2, 3) for accum in (1, 3)]
+
+
 @functools.cache
 def _batchnorm():
-    return run_local(batchnorm_vs_ddp, 2, [0, 1, 2, 3], timeout_s=300)
+    return run_local(batchnorm_vs_ddp, 2, BUFFER_CASES, timeout_s=300)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_batchnorm_buffers_match_ddp(stage):
+@pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: f"stage{c[0]}-accum{c[1]}")
+def test_buffers_follow_ddp(case):
+    """BatchNorm statistics and a buffer the training forward reads, with gradient
+    accumulation and an evaluation forward after each step: the engine broadcasts
+    rank 0's buffers exactly where DDP does (see [Note: when buffers are broadcast] in
+    engine.py), so losses, evaluations and every rank's buffers are DDP's."""
     ranks = _batchnorm()
-    r = ranks[0][stage]
-    torch.testing.assert_close(
-        torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=0
-    )
+    r = ranks[0][case]
+    for got, ref in (("losses", "ref_losses"), ("evals", "ref_evals")):
+        torch.testing.assert_close(
+            torch.tensor(r[got]), torch.tensor(r[ref]), rtol=1e-5, atol=0, msg=got
+        )
     for rank in ranks:
-        ours = rank[stage]
+        ours = rank[case]
         assert ours["buffers"].keys() == ours["ref_buffers"].keys()
         for name, ref in ours["ref_buffers"].items():
             torch.testing.assert_close(ours["buffers"][name], ref, rtol=1e-5, atol=1e-6, msg=name)
