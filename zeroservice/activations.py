@@ -394,7 +394,13 @@ class ActivationCheckpointer:
         for name, module in modules:
             if "forward" in module.__dict__:
                 what = name or "the model"
-                raise ValueError(f"activation checkpointing: {what} is wrapped twice")
+                raise ValueError(
+                    f"activation checkpointing: {what} already has a forward of its own "
+                    "instance (module.forward was assigned: another engine's activation "
+                    "checkpointing on the same model, or a library's hook); build the "
+                    "engine on a model whose blocks keep their class's forward, or turn "
+                    "activation_checkpointing off"
+                )
             original = module.forward
             module.forward = partial(self._forward, name, module, original)
 
@@ -556,13 +562,17 @@ def _owned_outside(root: nn.Module, blocks: list[nn.Module]) -> set[int]:
 
 
 def checkpointed_modules(root: nn.Module, whole: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:
-    """Every item of the outermost nn.ModuleLists: the transformer blocks. A list inside
-    an item already found (a block's experts) is recomputed with its block, and a
-    parametrization's list (``torch.nn.utils.parametrize``) computes a weight from other
-    parameters at every access: neither is a block of its own. Nor is a list inside a
-    module of ``whole`` (stage 3's leaf modules, whose weights exist only inside their
-    own forward: see [Note: leaf modules] in leaf_modules.py)."""
+    """Every item of the outermost nn.ModuleLists: the transformer blocks. An item that
+    is itself a container (a list of lists) is no block, since it is never called: its
+    own items are. A list inside an item already found (a block's experts) is
+    recomputed with its block, and a parametrization's list (``torch.nn.utils.parametrize``)
+    computes a weight from other parameters at every access: neither is a block of its
+    own. Nor is a list inside a module of ``whole`` (stage 3's leaf modules, whose
+    weights exist only inside their own forward: see [Note: leaf modules] in
+    leaf_modules.py). A module the lists hold several times (one layer shared by every
+    position, as ALBERT does) is one block, named by its first place."""
     found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
     for name, module in root.named_modules():
         if not isinstance(module, nn.ModuleList) or isinstance(module, ParametrizationList):
             continue
@@ -570,5 +580,9 @@ def checkpointed_modules(root: nn.Module, whole: Sequence[str] = ()) -> list[tup
             name.startswith(f"{leaf}.") for leaf in whole
         ):
             continue
-        found.extend((f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module))
+        for i, item in enumerate(module):
+            if isinstance(item, (nn.ModuleList, nn.ModuleDict)) or id(item) in seen:
+                continue
+            seen.add(id(item))
+            found.append((f"{name}.{i}" if name else str(i), item))
     return found

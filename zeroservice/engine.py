@@ -344,7 +344,7 @@ class Engine:
             )
             recompute, state = None, self.state
             if self.gatherer is not None:
-                self.gatherer.checkpointed.update(id(m) for _, m in blocks)
+                self.gatherer.checkpoint_blocks([m for _, m in blocks])
                 recompute = self.gatherer.recomputing
             self._checkpointer = ActivationCheckpointer(
                 blocks,

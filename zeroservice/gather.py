@@ -156,6 +156,7 @@ class ParamGatherer:
         """Gathers issued ahead of use, following the recorded order."""
         self._access = ParamAccess(root, units, self)
         self.groups = [indices for _, indices in groups]
+        self._group_modules = [module for module, _ in groups]
         """Per group module, the indices of the units its forward gathers."""
         self._handles = []
         self.leaves = LeafBackward([indices for _, indices in leaves])
@@ -183,6 +184,28 @@ class ParamGatherer:
             )
             self._handles.append(container.register_forward_hook(self._leave, always_call=True))
         comm.wait_all([self._issue(i) for i in sorted(self.persistent)])
+
+    def checkpoint_blocks(self, blocks: list[nn.Module]) -> None:
+        """Modules whose forward runs without a graph and is recomputed in backward
+        (activations.py). A block that is not a group of its own (its weights belong to
+        a group never called itself, a ModuleList that ``stage3_grouping="size"`` made
+        one group) still opens a window with no units: its weights are read on demand
+        into it, its first forward counts the gather nodes its recomputation will build
+        (``_close_run``), and its recomputation, in backward, has a window to read them
+        into. Without one, those reads in backward found no window open and returned
+        the empty placeholders, and a unit that several such blocks read was reduced
+        after the first block's backward."""
+        groups = {id(module) for module in self._group_modules}
+        for block in blocks:
+            self.checkpointed.add(id(block))
+            if id(block) in groups:
+                continue
+            self._handles.append(
+                block.register_forward_pre_hook(partial(self.pre_forward, [], False))
+            )
+            self._handles.append(
+                block.register_forward_hook(partial(self.post_forward, False), always_call=True)
+            )
 
     # -- what modules see ---------------------------------------------------------
     def param(self, module: nn.Module, name: str) -> torch.Tensor:

@@ -59,19 +59,29 @@ def _block_modules(root: nn.Module) -> list[str]:
     for name, p in root.named_parameters(remove_duplicate=False):
         registered.setdefault(id(p), []).append(name)
     names: list[str] = []
+    listed: set[int] = set()
 
     def shared_outside(qual: str, module: nn.Module) -> bool:
         return any(
             not n.startswith(qual + ".") for p in module.parameters() for n in registered[id(p)]
         )
 
+    def items(qual: str, container: nn.Module) -> None:
+        """A list's items are blocks; an item that is itself a container (a list of
+        lists) is never called, so its items are. A module held at several places (one
+        layer shared by every position) is one block, named by its first place."""
+        for i, item in container.named_children():
+            if isinstance(item, (nn.ModuleList, nn.ModuleDict)):
+                items(f"{qual}.{i}", item)
+            elif _param_count(item) > 0 and id(item) not in listed:
+                listed.add(id(item))
+                names.append(f"{qual}.{i}")
+
     def visit(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
             qual = f"{prefix}{child_name}"
             if isinstance(child, nn.ModuleList):
-                names.extend(
-                    f"{qual}.{i}" for i, item in enumerate(child) if _param_count(item) > 0
-                )
+                items(qual, child)
             elif _contains_list(child):
                 visit(f"{qual}.", child)
             elif _param_count(child) > 0 and not shared_outside(qual, child):

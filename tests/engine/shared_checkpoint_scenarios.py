@@ -20,43 +20,64 @@ WIDTH = 32
 
 class _Shared(nn.Module):
     """Blocks in a ModuleList (the engine checkpoints each), used in ways that make one
-    parameter's gradient arrive more than once in a backward:
+    parameter's gradient arrive more than once in a backward, or held in ways that put
+    a block's weights in a group that is not the block:
 
     - ``called-twice``: block 0 runs before and after block 1;
     - ``tied-across-blocks``: block 2's weight is block 0's;
     - ``tied-outside``: block 0's weight is also an output projection's, outside the blocks;
     - ``keyword-call``: block 0 is also called with a keyword input, which is not
-      checkpointed (its graph is recorded as usual).
+      checkpointed (its graph is recorded as usual);
+    - ``listed-twice``: the list holds one block at places 0 and 2 (ALBERT's sharing);
+    - ``list-of-lists``: the list's items are lists of blocks, never called themselves;
+    - ``size-grouped-list``: ``stage3_grouping="size"`` makes the whole list one group,
+      so at stage 3 no block is a group of its own (their weights are read on demand).
     """
 
     def __init__(self, kind: str, user_reentrant: bool = False):
         super().__init__()
         self.kind, self.user_reentrant = kind, user_reentrant
         count = 2 if kind == "called-twice" else 3
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(count))
+        layers = [nn.Linear(WIDTH, WIDTH) for _ in range(count)]
+        if kind == "listed-twice":
+            layers[2] = layers[0]
+        if kind == "list-of-lists":
+            self.blocks = nn.ModuleList([nn.ModuleList(layers[:2]), nn.ModuleList(layers[2:])])
+        else:
+            self.blocks = nn.ModuleList(layers)
+        self.order = layers
+        """The blocks in call order (a plain list: not registered again)."""
         self.proj = nn.Linear(WIDTH, WIDTH, bias=False)
         self.head = nn.Linear(WIDTH, 1)
         if kind == "tied-across-blocks":
-            self.blocks[2].weight = self.blocks[0].weight
+            layers[2].weight = layers[0].weight
         if kind == "tied-outside":
-            self.proj.weight = self.blocks[0].weight
+            self.proj.weight = layers[0].weight
 
     def _block(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.user_reentrant:
-            return torch.tanh(checkpoint(self.blocks[i], x, use_reentrant=True))
-        return torch.tanh(self.blocks[i](x))
+            return torch.tanh(checkpoint(self.order[i], x, use_reentrant=True))
+        return torch.tanh(self.order[i](x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         order = (0, 1, 0) if self.kind == "called-twice" else (0, 1, 2)
         for i in order:
             x = self._block(i, x)
         if self.kind == "keyword-call":
-            x = torch.tanh(self.blocks[0](input=x))
+            x = torch.tanh(self.order[0](input=x))
         x = self.proj(x)
         return self.head(x).pow(2).mean()
 
 
-KINDS = ("called-twice", "tied-across-blocks", "tied-outside", "keyword-call")
+KINDS = (
+    "called-twice",
+    "tied-across-blocks",
+    "tied-outside",
+    "keyword-call",
+    "listed-twice",
+    "list-of-lists",
+    "size-grouped-list",
+)
 
 
 def _batches(step: int, accum: int) -> list[tuple]:
@@ -64,12 +85,14 @@ def _batches(step: int, accum: int) -> list[tuple]:
     return [(torch.randn(4, WIDTH, generator=g),) for _ in range(accum)]
 
 
-def _config(stage: int, accum: int) -> ZeroConfig:
+def _config(stage: int, accum: int, kind: str = "") -> ZeroConfig:
+    size_grouped = kind == "size-grouped-list"
     return ZeroConfig(
         stage=stage,
         gradient_accumulation_steps=accum,
         activation_checkpointing=True,
-        bucket_elements=1024,
+        bucket_elements=4096 if size_grouped else 1024,  # the list: 3 x 1056 elements
+        stage3_grouping="size" if size_grouped else "blocks",
         stage3_persistence_elements=0,
     )
 
@@ -84,7 +107,7 @@ def shared_parameters_at(kind: str, stage: int, steps: int = 3, accum: int = 2) 
         ref = harness.run_ddp(
             copy.deepcopy(model), optimizer, _batches, steps, accum, capture=capture
         )
-        engine = zeroservice.initialize(model, _config(stage, accum), optimizer=optimizer)
+        engine = zeroservice.initialize(model, _config(stage, accum, kind), optimizer=optimizer)
         run = harness.run_engine(engine, _batches, steps, accum, reference=ref if capture else None)
         engine.close()
         return run, ref
