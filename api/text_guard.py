@@ -73,6 +73,8 @@ def _refused_body(body: bytes) -> str | None:
         where = bad_string_path(json.loads(body))
     except json.JSONDecodeError:
         return None  # not JSON: the route answers it
+    except UnicodeDecodeError as exc:  # a ValueError too: before the digits' case
+        return f"body: not UTF-8 text (byte {body[exc.start]:#04x} at offset {exc.start})"
     except ValueError:  # int() refuses that many digits
         return f"body: a number has more than {sys.get_int_max_str_digits()} digits"
     except RecursionError:

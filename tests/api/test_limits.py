@@ -183,6 +183,7 @@ def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
         (b'{"spec": {"steps": ' + b"9" * 5000 + b"}}", "body: a number has more than 4300 digits"),
         (b"[" * 3000 + b"]" * 3000, "body: nested too deep"),
         (b'{"spec": {"model": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5002, "body: nested too deep"),
+        (b'{"spec": {"name": "\xff"}}', "body: not UTF-8 text (byte 0xff at offset 19)"),
     ],
 )
 def test_json_past_the_parsers_limits_is_refused_as_bad_input(harness, body, detail):
