@@ -29,7 +29,7 @@ from workers.spec import GPTModelSpec, JobSpec
 from zeroservice.autoconf import auto_configure
 from zeroservice.config import ZeroConfig
 
-from .plan import uncovered
+from .plan import uncovered, uncovered_at_stage3
 
 CHOSEN = (
     "stage",
@@ -75,7 +75,8 @@ def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any
             "them out or name a stage (0-3)"
         )
     concrete = ZeroConfig.from_dict({**spec.engine, "stage": 0})
-    gap = uncovered(spec, concrete)
+    # Auto may choose stage 3: what the peak model lacks there (leaf modules) counts too.
+    gap = uncovered(spec, concrete) or uncovered_at_stage3(concrete)
     if gap is not None:
         _refuse(f"engine.stage: auto is not modelled for this job: {gap}")
     res = spec.resources

@@ -119,7 +119,13 @@ def uncovered(spec: JobSpec, cfg: ZeroConfig) -> str | None:
         return "engine.redundancy: host copies"
     if cfg.quantized_weights or cfg.hierarchical_partition or cfg.quantized_gradients != "none":
         return "engine: ZeRO++ switches"
-    if cfg.stage == 3 and set(cfg.stage3_leaf_modules) - set(KNOWN_MOE_LEAVES):
+    return uncovered_at_stage3(cfg) if cfg.stage == 3 else None
+
+
+def uncovered_at_stage3(cfg: ZeroConfig) -> str | None:
+    """What of the engine config the peak model does not cover at stage 3, whatever
+    ``cfg.stage`` says (auto may choose stage 3)."""
+    if set(cfg.stage3_leaf_modules) - set(KNOWN_MOE_LEAVES):
         # (the default's MoE layers are not in the reference GPT)
         return "engine.stage3_leaf_modules: leaf modules (gathered and staged whole in backward)"
     return None

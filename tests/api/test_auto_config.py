@@ -122,6 +122,10 @@ def test_a_boolean_stage_is_refused_naming_the_field(harness, stage):
         ({"engine": {"stage": "auto", "bucket_elements": 4096}}, "engine.bucket_elements"),
         ({"engine": {"stage": "auto", "precision": "fp16"}}, "engine.precision: fp16"),
         ({"engine": {"stage": "auto", "redundancy": "host-copy"}}, "engine.redundancy"),
+        (
+            {"engine": {"stage": "auto", "stage3_leaf_modules": ["Block"]}},
+            "engine.stage3_leaf_modules",
+        ),
         ({"optimizer": {"type": "sgd", "lr": 0.1}}, "optimizer.type: sgd"),
     ],
 )
