@@ -10,6 +10,8 @@ from pydantic import ValidationError
 from tests.workers.jobs import TINY_GPT2, tiny_job
 from workers.build import build_dataset, build_model, optimizer_factory
 from workers.spec import JobSpec
+from zeroservice.config import ConfigError
+from zeroservice.models import GPTConfig
 from zeroservice.models.tiled_head import TiledHead
 
 
@@ -85,6 +87,53 @@ def test_bad_specs_name_the_field(body, needle):
 def test_leaf_modules_of_the_reference_gpt_are_accepted_by_class_or_name():
     spec = tiny_job(engine={"stage": 3, "stage3_leaf_modules": ["MLP", "blocks.0.attn"]})
     assert spec.zero_config().stage3_leaf_modules == ["MLP", "blocks.0.attn"]
+
+
+LEAF_NAMES = [
+    "Block",
+    "MLP",
+    "blocks.0",
+    "blocks.2",
+    "blocks.3",
+    "blocks.02",
+    "blocks.1.attn",
+    "blocks.2.mlp.fc",
+    "blocks.1.nope",
+    "blocks",
+    "head",
+    "wte",
+    "Nope",
+]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("name", LEAF_NAMES)
+def test_leaf_names_are_checked_as_on_the_whole_model(monkeypatch, name, tie):
+    """The submission's check builds one block and reads block i's names as block
+    0's; it answers as the whole model would, and builds no other block."""
+    import dataclasses
+
+    from workers import spec as spec_module
+    from zeroservice.models import GPT
+    from zeroservice.models import gpt as gpt_module
+    from zeroservice.partition import leaf_modules
+
+    cfg = GPTConfig(n_layer=3, dim=32, n_head=4, vocab_size=64, seq_len=16, tie_weights=tie)
+    with torch.device("meta"):
+        whole = GPT(cfg)
+    try:
+        leaf_modules(whole, [name])
+        want = None
+    except ConfigError as exc:
+        want = str(exc)
+    built = []
+    init = gpt_module.Block.__init__
+    monkeypatch.setattr(
+        gpt_module.Block, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k)
+    )
+    spec_module._gpt_leaf_error.cache_clear()
+    assert spec_module._gpt_leaf_error(dataclasses.astuple(cfg), (name,)) == want
+    assert len(built) == 1
 
 
 def test_defaults_and_round_trip():
