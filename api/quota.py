@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from workers.spec import JobSpec, ResourcesSpec
@@ -73,8 +73,10 @@ def within_quota(session: Session, tenant_id: int, spec: JobSpec, usage: dict) -
 def check_submission(
     session: Session, who: Principal, spec: JobSpec, priority: int, settings: Settings
 ) -> None:
-    """OverLimit unless the job may be queued now for this tenant."""
+    """OverLimit unless the job may be queued now for this tenant. The tenant is held
+    until the session ends (see ``_hold_tenant``): the caller stores the job in it."""
     _fits_the_cluster(spec, settings)
+    _hold_tenant(session, who.tenant_id)
     tenant = session.get(Tenant, who.tenant_id)
     assert tenant is not None
     if priority > tenant.max_priority and not who.admin:
@@ -99,6 +101,17 @@ def check_submission(
     )
     if queued >= most:
         raise OverLimit(429, f"quota: {queued} jobs queued, this tenant's limit is {most}")
+
+
+def _hold_tenant(session: Session, tenant_id: int) -> None:
+    """Count and store one submission at a time per tenant, across API replicas: an
+    UPDATE of the tenant's row to its own values takes the row's lock on PostgreSQL, and
+    SQLite's write lock, until the session commits the job or rolls back. Without it
+    concurrent submissions each counted the queue before any of them was stored, and
+    all were queued past ``max_queued_jobs``."""
+    session.execute(
+        update(Tenant).where(Tenant.id == tenant_id).values(max_priority=Tenant.max_priority)
+    )
 
 
 def _fits_the_cluster(spec: JobSpec, settings: Settings) -> None:

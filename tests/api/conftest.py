@@ -3,15 +3,19 @@ from the machine's server binaries (initdb / pg_ctl) on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from api.main import create_app
@@ -100,6 +104,24 @@ def database_url(request, tmp_path):
         return f"sqlite:///{tmp_path / 'store.db'}"
     server = request.getfixturevalue("postgres_server")
     return server.database(f"t{os.getpid()}_{next(_counter)}")
+
+
+@contextlib.contextmanager
+def serve(harness: Harness) -> Iterator[str]:
+    """The harness's app behind a real HTTP server on loopback, for requests that must
+    run at the same time (the test client runs one at a time); yields its URL."""
+    port = free_port()
+    config = uvicorn.Config(harness.client.app, host="127.0.0.1", port=port, log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        threading.Event().wait(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 class Harness:

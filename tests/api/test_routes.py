@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
+import httpx
 import pytest
 from sqlalchemy import select, text
 
 from api.db import ApiToken, Job
 from api.settings import Settings
-from tests.api.conftest import Harness
+from tests.api.conftest import Harness, serve
 from zeroservice.autoconf import RUNTIME_RESERVE
 
 TINY = {
@@ -588,6 +591,25 @@ def test_a_retry_returns_the_first_job_even_when_that_job_fills_the_quota(harnes
     other = c.post("/v1/jobs", json={**body, "submission_id": "run-8"}, headers=h)
     assert other.status_code == 429, other.text
     assert _jobs_stored(harness) == 1
+
+
+def test_concurrent_submissions_stay_within_the_queued_quota(database_url, tmp_path):
+    """Twelve submissions at once against a limit of two queued jobs, through a real
+    server: two are queued and ten refused, on SQLite and PostgreSQL alike."""
+    harness = Harness(database_url, tmp_path / "data", rate_per_s=1e9, rate_burst=10**9)
+    admin = harness.headers(harness.admin)
+    h = harness.headers(harness.tenant_token("alice"))
+    limits = {"max_queued_jobs": 2}
+    assert harness.client.put("/v1/tenants/alice/limits", json=limits, headers=admin).is_success
+    try:
+        with serve(harness) as url, ThreadPoolExecutor(12) as pool:
+            post = partial(httpx.post, f"{url}/v1/jobs", json={"spec": TINY}, headers=h, timeout=60)
+            codes = sorted(r.status_code for r in pool.map(lambda _: post(), range(12)))
+        assert codes == [201] * 2 + [429] * 10, codes
+        assert _jobs_stored(harness) == 2
+    finally:
+        harness.client.close()
+        harness.service.engine.dispose()
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-import uvicorn
 
-from tests.api.conftest import Harness
+from tests.api.conftest import Harness, serve
 from tests.api.test_routes import TINY
-from zeroservice.launch import free_port
 
 MAX_EXAMPLES = 15
 
@@ -33,16 +30,8 @@ def harness(database_url, tmp_path):
 @pytest.fixture
 def served(harness):
     """The harness's app behind a real HTTP server on loopback."""
-    port = free_port()
-    config = uvicorn.Config(harness.client.app, host="127.0.0.1", port=port, log_level="error")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        threading.Event().wait(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve(harness) as url:
+        yield url
 
 
 def test_schemathesis_finds_no_server_error(harness, served, tmp_path):
