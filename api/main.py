@@ -10,6 +10,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
+from workers.spec import warm_up_checks
+
 from . import errors
 from .body_limit import BodyLimit
 from .routes import cluster, health, jobs, plan, tenants
@@ -23,6 +25,7 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTI
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        warm_up_checks()
         if service.start_scheduler:
             service.scheduler.start()
         yield

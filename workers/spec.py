@@ -348,6 +348,14 @@ def _gpt_leaf_error(config: tuple, leaves: tuple[str, ...]) -> str | None:
     return None
 
 
+def warm_up_checks() -> None:
+    """Pay the leaf-module check's one-time cost before a service takes requests: the
+    first initialisation on the meta device imports torch._dynamo (about 2 s), which
+    would otherwise run inside the first such request, on the API's event loop."""
+    tiny = GPTConfig(vocab_size=8, seq_len=8, n_layer=1, n_head=1, dim=8)
+    _gpt_leaf_error(dataclasses.astuple(tiny), ("Block",))
+
+
 def _in_first_block(name: str, n_layer: int) -> str:
     """``blocks.<i>.rest`` as ``blocks.0.rest`` where block i exists; any other name
     as it is (a block beyond the model's is then refused, as it should be)."""
