@@ -156,8 +156,8 @@ class ParamGatherer:
         """Gathers issued ahead of use, following the recorded order."""
         self._access = ParamAccess(root, units, self)
         self.groups = [indices for _, indices in groups]
-        self._group_modules = [module for module, _ in groups]
         """Per group module, the indices of the units its forward gathers."""
+        self._group_modules = [module for module, _ in groups]
         self._handles = []
         self.leaves = LeafBackward([indices for _, indices in leaves])
         """Leaf modules' units, gathered and reduced together in backward (see [Note:
