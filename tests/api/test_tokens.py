@@ -3,11 +3,15 @@ prefix (``%`` and ``_`` are not wildcards)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
+from functools import partial
 
+import httpx
 from sqlalchemy import update
 
 from api.db import ApiToken
+from tests.api.conftest import Harness, serve
 from tests.api.test_routes import TINY as _TINY
 
 
@@ -92,8 +96,6 @@ def test_a_prefix_with_wildcards_revokes_only_literally(harness):
 
 
 def test_the_metrics_token_reads_the_targets_and_nothing_else(database_url, tmp_path):
-    from tests.api.conftest import Harness
-
     metrics = "zs_metrics-read-only-0123456789abcdef"
     h = Harness(database_url, tmp_path / "data", metrics_token=metrics)
     try:
@@ -116,3 +118,22 @@ def test_the_metrics_token_reads_the_targets_and_nothing_else(database_url, tmp_
     finally:
         h.client.close()
         h.service.engine.dispose()
+
+
+def test_revocations_sent_at_once_count_the_token_once(database_url, tmp_path):
+    """Eight revocations of one token through a real server: one answers that it
+    revoked it, the others that no live token has that id."""
+    harness = Harness(database_url, tmp_path / "data", rate_per_s=1e9, rate_burst=10**9)
+    try:
+        made = _make(harness, "alice")
+        admin = harness.headers(harness.admin)
+        with serve(harness) as url, ThreadPoolExecutor(8) as pool:
+            delete = partial(httpx.delete, f"{url}/v1/tokens/{made['id']}", headers=admin)
+            answers = list(pool.map(lambda _: delete(timeout=60), range(8)))
+        ok = [r.json() for r in answers if r.status_code == 200]
+        assert ok == [{"revoked": 1}], [(r.status_code, r.text) for r in answers]
+        assert sorted(r.status_code for r in answers) == [200] + [404] * 7
+        assert not _works(harness, made["token"])
+    finally:
+        harness.client.close()
+        harness.service.engine.dispose()
