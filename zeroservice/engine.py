@@ -258,6 +258,7 @@ class Engine:
             node=self.node_groups if config.quantized_gradients != "none" else None,
             scratch=self.quant_scratch,
             after_unit_backward=trim,
+            predivide=config.precision == "fp16",
         )
         if self.policy.partitions_params:
             assert cache is not None
@@ -301,7 +302,7 @@ class Engine:
             mixed_precision=dtype != torch.float32,
             factory=optimizer,
             communicator=self.comm,
-            dp_world=self.dp_world,
+            summed_ranks=self.dp_world // self.reducer.divisor,
             fuse=config.fuse_optimizer,
             mp_comm=self.mp.comm if self.mp is not None else None,
             replicated=[_replicated_ranges(u, sharded_names) for u in self.trainable_units],

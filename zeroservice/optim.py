@@ -4,11 +4,12 @@
 The user's optimizer is built over one fp32 master tensor per unit: this rank's
 shard (the whole unit at stage 0). In fp32 the master *is* the shard of the
 parameter buffer (a view, no copy); in bf16/fp16 it is a separate fp32 copy.
-Reduced gradients arrive as sums over the N_d ranks, multiplied by the loss scale;
-one factor ``clip / (N_d * scale)`` turns them into the mean gradient, unscaled and
-clipped, in a single pass. The global norm is summed over shards with one scalar
-all-reduce; a non-finite norm on any rank is then non-finite on all ranks, so every
-rank skips the same overflowed step.
+Reduced gradients arrive as sums over the N_d ranks (in fp16: of gradients already
+divided by N_d, see [Note: fp16 gradients are averaged, not summed] in reduce.py),
+multiplied by the loss scale; one factor ``clip / (summed_ranks * scale)`` turns them
+into the mean gradient, unscaled and clipped, in a single pass. The global norm is
+summed over shards with one scalar all-reduce; a non-finite norm on any rank is then
+non-finite on all ranks, so every rank skips the same overflowed step.
 
 [Note: param groups]
 The factory is called once with the model's own trainable parameters (real or
@@ -145,7 +146,7 @@ class ShardedOptimizer:
         mixed_precision: bool,
         factory: OptimizerFactory,
         communicator: comm.Communicator,
-        dp_world: int,
+        summed_ranks: int,
         fuse: bool = True,
         mp_comm: comm.Communicator | None = None,
         replicated: list[list[tuple[int, int]]] | None = None,
@@ -156,7 +157,9 @@ class ShardedOptimizer:
         (see [Note: param groups]); without it the factory is called with the masters."""
         self.units, self.policy, self.comm = units, policy, communicator
         self.mixed = mixed_precision
-        self.dp_world = dp_world
+        self.summed_ranks = summed_ranks
+        """How many ranks' gradients a reduced gradient adds up: N_d, or 1 where the
+        reducer divided each by N_d first."""
         self.mp_comm = mp_comm
         self.replicated = replicated or [[] for _ in units]
         """Per unit, ranges of its gradient shard holding MP-replicated parameters."""
@@ -242,14 +245,14 @@ class ShardedOptimizer:
             self.comm.all_reduce(sq, "norm").wait()
         if self.mp_comm is not None:
             self.mp_comm.all_reduce(sq, "norm").wait()
-        return math.sqrt(sq.item()) / (self.dp_world * loss_scale)
+        return math.sqrt(sq.item()) / (self.summed_ranks * loss_scale)
 
     def step(self, grads: list[torch.Tensor], loss_scale: float, max_norm: float) -> StepResult:
         norm = self.global_grad_norm(grads, loss_scale)
         if not math.isfinite(norm):
             return StepResult(norm, skipped=True)
         clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        factor = clip / (self.dp_world * loss_scale)
+        factor = clip / (self.summed_ranks * loss_scale)
         for i, (master, g) in enumerate(zip(self.masters, grads, strict=True)):
             if self.offload:
                 host = self._host_grads[i]

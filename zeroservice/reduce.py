@@ -28,6 +28,14 @@ added to it on the next ones. A unit larger than C_B is not staged whole: see
 ``overlap_comm`` each reduction is still launched as soon as its unit is ready (so
 units never wait in buffers of their own), then waited for at once.
 
+[Note: fp16 gradients are averaged, not summed]
+In fp16 each rank divides its (loss-scaled) gradient by N_d before the reduction, as
+DDP does, so the reduction yields the mean. Summed, N_d finite gradients can pass
+fp16's 65504 together: the step would be skipped where DDP + ``GradScaler`` (which
+judges the mean) applies it, and the loss scale would settle about N_d times lower.
+fp32 and bf16 have the range to sum first and divide once in the optimizer step, one
+pass over the gradients fewer (see [Note: shard step] in optim.py).
+
 [Note: gradient lifetime]
 A gradient shard is needed from the reduction that writes it to the step that consumes
 it, so stages 2 and 3 do not hold one in between: the shards (one contiguous buffer,
@@ -148,8 +156,13 @@ class GradReducer:
         node: NodeGroups | None = None,
         scratch: Scratch | None = None,
         after_unit_backward: Callable[[], None] | None = None,
+        predivide: bool = False,
     ):
         self.units, self.policy, self.comm = units, policy, communicator
+        self.divisor = communicator.world if predivide else 1
+        """Each rank's gradient is divided by this before the sum: N_d with ``predivide``
+        (the sum is then the mean; see [Note: fp16 gradients are averaged, not summed]),
+        else 1 (the sum itself)."""
         self.after_unit_backward = after_unit_backward
         """Stages 0-2: called once backward has produced all of a unit's gradients (the
         engine hands freed heap pages back there: see [Note: host heap trimming])."""
@@ -523,6 +536,8 @@ class GradReducer:
 
     def _issue(self, source: torch.Tensor, lease: _Lease | None, target: torch.Tensor) -> None:
         """Launch the reduction of ``source`` into ``target`` (added after the first micro)."""
+        if self.divisor != 1:
+            source.div_(self.divisor)
         if self.policy.shard_world == 1:
             pending = self.comm.all_reduce(source, "grads")
             reduced = source

@@ -269,7 +269,7 @@ def unit_gradient_slices(
 
 def gradient_ratio(engine, ref_grads: dict[str, torch.Tensor]) -> float:
     """Worst ratio over this rank's reduced gradients (see [Note: what parity compares])."""
-    divisor = engine.dp_world * engine.loss_scale
+    divisor = engine.optimizer.summed_ranks * engine.loss_scale
     worst = 0.0
     for unit, shard in zip(engine.trainable_units, engine.reducer.grad_shards(), strict=True):
         for names, start, values in unit_gradient_slices(engine, unit, shard):

@@ -325,6 +325,63 @@ def fp16_overflow(steps: int = 6, bad_step: int = 3) -> dict:
     }
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def fp16_summed_range(stage: int, reduce_dtype: str, steps: int = 3) -> dict:
+    """Each rank's scaled gradient fits in fp16 but the ranks' sum does not: DDP +
+    GradScaler (which judges the mean) applies every step, and so must the engine.
+
+    The loss is ``sum(w · x)``, so the weight's gradient is the batch's ``x`` summed:
+    rank r's is ``(30 + 10 r) · scale``, each below 65504, their sum (70 · 1024 at
+    N_d = 2) above it."""
+    scale, rank, world = 2.0**10, dist.get_rank(), dist.get_world_size()
+    value = 30.0 + 10.0 * rank
+    x = torch.full((2, 8), value / 2, device=harness.device())
+    assert value * scale < FP16_MAX < sum(30 + 10 * r for r in range(world)) * scale
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(5)
+        return harness.on_device(torch.nn.Linear(8, 1, bias=False))
+
+    def loss_fn(m, batch):
+        return m(batch[0]).float().sum()
+
+    def batches(step, accum):
+        return [(x.half(),)] * accum
+
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-4)  # noqa: E731
+    growth = 100
+    ref = harness.run_ddp(
+        model(),
+        sgd,
+        lambda step, accum: [(x,)] * accum,
+        steps,
+        autocast=torch.float16,
+        loss_fn=loss_fn,
+        scaler=torch.amp.GradScaler(
+            harness.device().type, init_scale=scale, growth_interval=growth
+        ),
+    )
+    config = ZeroConfig(
+        stage=stage,
+        precision="fp16",
+        reduce_dtype=reduce_dtype,
+        loss_scale={"initial_scale": scale, "growth_interval": growth},
+    )
+    engine = zeroservice.initialize(model(), config, optimizer=sgd)
+    run = harness.run_engine(engine, batches, steps, loss_fn=loss_fn)
+    engine.close()
+    return {
+        "losses": run.losses,
+        "ref_losses": ref.losses,
+        "skipped": run.skipped,
+        "ref_skipped": ref.skipped,
+        "weight": run.state["weight"].tolist(),
+        "ref_weight": ref.state["weight"].tolist(),
+    }
+
+
 class _Branchy(torch.nn.Module):
     """A parameter that only some ranks use on some steps (data-dependent control flow)."""
 

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import zeroservice
-from tests.engine.scenarios import Spec, fp16_overflow, mixed_precision_parity
+from tests.engine.scenarios import (
+    Spec,
+    fp16_overflow,
+    fp16_summed_range,
+    mixed_precision_parity,
+)
 from zeroservice import ConfigError
 from zeroservice.launch import run_local
 from zeroservice.precision import DTYPES, check_param_dtypes
@@ -28,6 +33,7 @@ FP16_SCALES = {"no-overflow": 2.0**10, "overflowing": 2.0**24}
 
 BF16_CASES = [(s, "param") for s in (0, 1, 2, 3)] + [(s, "fp32") for s in (1, 2)]
 FP16_CASES = [(s, name) for s in (2, 3) for name in FP16_SCALES]
+RANGE_CASES = [(s, r) for s in (0, 1, 2, 3) for r in ("param", "fp32")]
 
 
 def mixed_and_overflow():
@@ -39,7 +45,8 @@ def mixed_and_overflow():
         mixed_precision_parity(Spec(stage=s, precision="fp16"), FP16_SCALES[name])
         for s, name in FP16_CASES
     ]
-    return bf16, fp16, fp16_overflow()
+    in_range = [fp16_summed_range(s, r) for s, r in RANGE_CASES]
+    return bf16, fp16, fp16_overflow(), in_range
 
 
 @functools.cache
@@ -79,6 +86,23 @@ def assert_fp16_follows_ddp(per_rank: list[dict], scale: str) -> None:
     for r in per_rank:
         assert r["skipped"] == r["ref_skipped"]
     assert any(per_rank[0]["skipped"]) == (scale == "overflowing")
+
+
+@pytest.mark.parametrize("stage,reduce_dtype", RANGE_CASES)
+def test_fp16_gradients_are_averaged_before_they_are_summed(stage, reduce_dtype):
+    """Every rank's scaled gradient fits in fp16 and their sum does not: GradScaler
+    under DDP applies the steps (it judges the mean), and so does the engine. Losses
+    and weights are held to fp16's resolution (the engine computes with fp16 weights);
+    a skipped step moves them by 2.5%."""
+    for r in _per_rank(3, RANGE_CASES.index((stage, reduce_dtype))):
+        assert r["ref_skipped"] == [False, False, False]
+        assert r["skipped"] == r["ref_skipped"]
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-3, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(r["weight"]), torch.tensor(r["ref_weight"]), rtol=1e-3, atol=0
+        )
 
 
 def test_fp16_overflow_skips_on_every_rank_and_backs_off():
