@@ -26,6 +26,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    func,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -71,6 +72,11 @@ class Tenant(Base):
     """GPUs the tenant's active jobs may hold together; None: no limit."""
     max_queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
     """Jobs the tenant may have queued; None: the service's default."""
+    __table_args__ = (
+        # Names differing only in case would share a directory on a case-insensitive
+        # file system (migration 0005).
+        Index("uq_tenants_name_folded", func.lower(name), unique=True),
+    )
 
 
 class ApiToken(Base):

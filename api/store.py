@@ -44,13 +44,23 @@ def authenticate(session: Session, token: str) -> Principal | None:
 
 
 def create_tenant(session: Session, name: str) -> Tenant:
+    """A new tenant; its name must differ from every other by more than letter case
+    (it names a directory: see migration 0005)."""
     tenant = Tenant(name=name)
     session.add(tenant)
     try:
         session.commit()
     except IntegrityError:
         session.rollback()
-        raise Conflict(f"tenant {name!r} exists") from None
+        taken = session.execute(
+            select(Tenant.name).where(func.lower(Tenant.name) == name.lower())
+        ).scalar_one_or_none()
+        if taken is None or taken == name:
+            raise Conflict(f"tenant {name!r} exists") from None
+        raise Conflict(
+            f"tenant {name!r}: tenant {taken!r} exists, and names that differ only in "
+            "letter case would share a directory"
+        ) from None
     return tenant
 
 

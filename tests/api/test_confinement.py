@@ -205,6 +205,52 @@ def test_tenant_names_cannot_be_paths(harness, name):
     assert r.status_code == 422, r.text
 
 
+def test_tenant_names_must_differ_beyond_letter_case(harness):
+    """A name is a directory, and ``TeamA`` and ``teama`` are one directory on a
+    case-insensitive file system: the second is refused, naming the first."""
+    admin = harness.headers(harness.admin)
+    assert harness.client.post("/v1/tenants", json={"name": "TeamA"}, headers=admin).is_success
+    for name in ("teama", "TEAMA", "teamA"):
+        r = harness.client.post("/v1/tenants", json={"name": name}, headers=admin)
+        assert r.status_code == 409, r.text
+        assert "'TeamA' exists" in r.json()["detail"] and "letter case" in r.json()["detail"]
+    r = harness.client.post("/v1/tenants", json={"name": "TeamA"}, headers=admin)
+    assert r.status_code == 409 and "letter case" not in r.json()["detail"]
+    assert harness.client.post("/v1/tenants", json={"name": "TeamB"}, headers=admin).is_success
+
+
+def test_the_upgrade_stops_at_tenant_names_that_differ_only_in_case(database_url):
+    """A store holding such names is left as it is, and the error names them; one
+    without them gets the index, which the database then enforces."""
+    import sqlalchemy as sa
+    from sqlalchemy.exc import IntegrityError
+
+    from api.db import make_engine, utcnow
+    from api.migrate import current, upgrade
+
+    engine = make_engine(database_url)
+    tenants = sa.table(
+        "tenants",
+        sa.column("name", sa.String),
+        sa.column("created_at", sa.DateTime(timezone=True)),
+    )
+    try:
+        upgrade(engine, "0004")
+        with engine.begin() as conn:
+            for name in ("TA", "ta", "b"):
+                conn.execute(sa.insert(tenants).values(name=name, created_at=utcnow()))
+        with pytest.raises(RuntimeError, match=r"\['ta'\]"):
+            upgrade(engine)
+        assert current(engine) == "0004"
+        with engine.begin() as conn:
+            conn.execute(sa.update(tenants).where(tenants.c.name == "ta").values(name="ta2"))
+        upgrade(engine)
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(sa.insert(tenants).values(name="B", created_at=utcnow()))
+    finally:
+        engine.dispose()
+
+
 def test_object_storage_checkpoints_stay_under_the_tenants_prefix(database_url, tmp_path):
     """With ZEROSERVICE_CHECKPOINT_S3_ROOT a tenant may keep checkpoints at an s3
     prefix below its own sub-prefix, and nowhere else; without it, at none."""
