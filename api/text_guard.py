@@ -2,7 +2,8 @@
 text refuses it) or an unpaired UTF-16 surrogate (no UTF-8 encodes it, so a job
 stored with one could never be read back), anywhere in the URL or in a JSON body's
 keys and strings. 422 names where; nothing reaches a route. So is JSON that Python
-reads only past its own limits (a number of thousands of digits, deep nesting)."""
+reads only past its own limits (a number of thousands of digits, deep nesting), and
+a body that is not UTF-8 (RFC 8259), which Python's reader would otherwise decode."""
 
 from __future__ import annotations
 
@@ -63,12 +64,37 @@ class TextGuard:
         await self.app(scope, replay(body, receive), send)
 
 
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32 (little-endian, with a byte order mark)"),
+    (b"\x00\x00\xfe\xff", "UTF-32 (big-endian, with a byte order mark)"),
+    (b"\xef\xbb\xbf", "UTF-8 with a byte order mark"),
+    (b"\xff\xfe", "UTF-16 (little-endian, with a byte order mark)"),
+    (b"\xfe\xff", "UTF-16 (big-endian, with a byte order mark)"),
+)
+
+
+def _other_encoding(body: bytes) -> str | None:
+    """What a body is when it is not plain UTF-8 that ``json.loads`` would still read:
+    Python's JSON reader detects UTF-16 and UTF-32 by their NUL bytes and skips a byte
+    order mark, which RFC 8259 forbids on the wire. JSON in UTF-8 never holds a NUL
+    byte (a NUL in a string is written ``\\u0000``)."""
+    for bom, name in _BOMS:
+        if body.startswith(bom):
+            return name
+    if b"\x00" in body[:4]:
+        return "UTF-16 or UTF-32"
+    return None
+
+
 def _refused_body(body: bytes) -> str | None:
     """Why a JSON body is refused before any route reads it, or None. JSON that Python
     reads only past its own limits (an integer of more than 4300 digits, nesting deeper
     than the interpreter's recursion) is bad input too, not a body that failed to parse."""
     if not body:
         return None
+    encoding = _other_encoding(body)
+    if encoding is not None:
+        return f"body: JSON must be UTF-8 text (RFC 8259); this body is {encoding}"
     try:
         where = bad_string_path(json.loads(body))
     except json.JSONDecodeError:

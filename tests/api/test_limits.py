@@ -184,6 +184,23 @@ def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
         (b"[" * 3000 + b"]" * 3000, "body: nested too deep"),
         (b'{"spec": {"model": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5002, "body: nested too deep"),
         (b'{"spec": {"name": "\xff"}}', "body: not UTF-8 text (byte 0xff at offset 19)"),
+        (
+            '{"spec": {"name": "x"}}'.encode("utf-16"),
+            "body: JSON must be UTF-8 text (RFC 8259); this body is UTF-16 (little-endian, "
+            "with a byte order mark)",
+        ),
+        (
+            '{"spec": {"name": "x"}}'.encode("utf-16-be"),
+            "body: JSON must be UTF-8 text (RFC 8259); this body is UTF-16 or UTF-32",
+        ),
+        (
+            '{"spec": {"name": "x"}}'.encode("utf-32-le"),
+            "body: JSON must be UTF-8 text (RFC 8259); this body is UTF-16 or UTF-32",
+        ),
+        (
+            b"\xef\xbb\xbf" + b'{"spec": {"name": "x"}}',
+            "body: JSON must be UTF-8 text (RFC 8259); this body is UTF-8 with a byte order mark",
+        ),
     ],
 )
 def test_json_past_the_parsers_limits_is_refused_as_bad_input(harness, body, detail):
