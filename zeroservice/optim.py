@@ -33,6 +33,7 @@ from torch import nn
 
 from . import comm
 from .flat import FlatUnit
+from .optimizer_template import keep_step_hooks, refuse_lost_setup
 from .stages import StagePolicy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -113,18 +114,28 @@ def group_of_params(
     missing = [n for n, p in params if id(p) not in group]
     if missing:
         raise ValueError(f"optimizer: the factory's param groups leave out {missing[:3]}")
+    own = [dict(g) | {"params": list(g["params"])} for g in template.param_groups]
+    refuse_lost_setup(template, build_like(template, own))
     return template, group
 
 
 def rebuild_over_masters(
     template: torch.optim.Optimizer, units: list[FlatUnit], masters: list[nn.Parameter]
 ) -> torch.optim.Optimizer:
-    """The template's class and groups, each group over the masters of its units."""
+    """The template's class and groups, each group over the masters of its units, with
+    its step hooks (see [Note: what the rebuild keeps] in optimizer_template.py)."""
     groups = [
         {k: v for k, v in g.items() if k != "params"}
         | {"params": [m for u, m in zip(units, masters, strict=True) if u.opt_group == i]}
         for i, g in enumerate(template.param_groups)
     ]
+    rebuilt = build_like(template, groups)
+    keep_step_hooks(template, rebuilt)
+    return rebuilt
+
+
+def build_like(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """``type(template)(groups, **defaults)``, with the defaults its constructor accepts."""
     accepted = inspect.signature(type(template).__init__).parameters
     defaults = {k: v for k, v in template.defaults.items() if k in accepted}
     try:

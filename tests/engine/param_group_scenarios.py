@@ -184,3 +184,89 @@ def rate_changed_outside(spec: GroupSpec, path: str) -> dict:
     resumed = engine_for(spec)
     resumed.load_checkpoint(path)
     return {"refused": refused, "resumed": train(resumed, 2, first=2)}
+
+
+class ScaledSGD(torch.optim.SGD):
+    """SGD on the gradient times ``scale``: a constructor argument the optimizer keeps,
+    in ``defaults`` (rebuilt with it) or as an attribute only (lost by a rebuild)."""
+
+    def __init__(self, params, lr: float = 1e-2, scale: float = 1.0, in_defaults: bool = True):
+        super().__init__(params, lr=lr, momentum=0.9)
+        self.scale = scale
+        if in_defaults:
+            self.defaults["scale"] = scale
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(self.scale)
+        return super().step(closure)
+
+
+def _clamp_grads(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.clamp_(-1e-3, 1e-3)
+
+
+def _halve_lr_after(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] *= 0.5
+
+
+def factory_setup(kind: str):
+    """Optimizers whose factory sets up more than groups: each must train as under DDP."""
+
+    def factory(ps):
+        if kind == "scaled":
+            return ScaledSGD(ps, scale=3.0)
+        if kind == "adagrad":  # its constructor fills the state: made again, not refused
+            return torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1)
+        opt = torch.optim.SGD(ps, lr=5e-2, momentum=0.9)
+        opt.register_step_pre_hook(_clamp_grads)
+        return opt
+
+    return factory
+
+
+def factory_parity(stages: list[int], kinds: list[str], steps: int = 4) -> list[dict]:
+    """Per (stage, kind): losses of DDP and of the engine with the same factory."""
+    out = []
+    for kind in kinds:
+        ref = harness.run_ddp(_model(), factory_setup(kind), _batches, steps)
+        for stage in stages:
+            config = ZeroConfig(stage=stage, bucket_elements=5_000)
+            engine = zeroservice.initialize(_model(), config, optimizer=factory_setup(kind))
+            losses = train(engine, steps)
+            engine.close()
+            out.append({"stage": stage, "kind": kind, "losses": losses, "ref": ref.losses})
+    return out
+
+
+def refused_setup(kind: str) -> str:
+    """The message initialize gives for a factory whose set-up a rebuild would lose."""
+
+    def factory(ps):
+        ps = list(ps)
+        if kind == "attribute":
+            return ScaledSGD(ps, scale=3.0, in_defaults=False)
+        opt = torch.optim.SGD(ps, lr=1e-2, momentum=0.9)
+        if kind == "state":
+            for p in ps:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        elif kind == "set-after":
+            opt.clip = 0.5  # type: ignore[attr-defined]
+        elif kind == "state-dict-hook":
+            opt.register_state_dict_post_hook(lambda o, sd: sd)
+        elif kind == "lr-scheduler":
+            torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        return opt
+
+    try:
+        zeroservice.initialize(_model(), ZeroConfig(stage=1), optimizer=factory).close()
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
 
 from tests.engine.param_group_scenarios import (
     GroupSpec,
+    factory_parity,
     load_groups,
     mp_two_groups,
     parity,
     rate_changed_outside,
+    refused_setup,
     save_groups,
     two_groups,
 )
@@ -114,3 +117,39 @@ def test_a_rate_changed_outside_the_engine_is_refused(tmp_path, stage):
     ), r["refused"]
     assert "configure the schedule there" in r["refused"]
     assert len(r["resumed"]) == 2
+
+
+FACTORY_STAGES = [0, 1, 2, 3]
+FACTORY_KINDS = ["scaled", "hooked", "adagrad"]
+
+
+@functools.cache
+def _factory_results() -> dict[tuple[int, str], dict]:
+    per_rank = run_local(factory_parity, 2, FACTORY_STAGES, FACTORY_KINDS)
+    return {(r["stage"], r["kind"]): r for r in per_rank[0]}
+
+
+@pytest.mark.parametrize("stage", FACTORY_STAGES)
+@pytest.mark.parametrize("kind", FACTORY_KINDS)
+def test_what_the_factory_sets_up_trains_as_under_ddp(stage, kind):
+    """A constructor argument kept in ``defaults`` and a step hook registered in the
+    factory reach the optimizer the engine rebuilds (see [Note: what the rebuild
+    keeps]); without them its losses are those of plain SGD. Adagrad's constructor
+    fills its state, which is not mistaken for state set in the factory."""
+    r = _factory_results()[(stage, kind)]
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("attribute", r"ScaledSGD's attribute 'scale' is 3.0 .* but 1.0 when rebuilt"),
+        ("state", r"already holds state for 28 parameters \(momentum_buffer\)"),
+        ("set-after", r"has an attribute 'clip' that its constructor does not set"),
+        ("state-dict-hook", r"_optimizer_state_dict_post_hooks registered"),
+        ("lr-scheduler", r"has an attribute '\w+' that its constructor does not set"),
+    ],
+)
+def test_what_a_rebuild_would_lose_is_refused_by_name(kind, message):
+    (got,) = run_local(refused_setup, 1, kind)
+    assert re.search(message, got), got
