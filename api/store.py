@@ -172,6 +172,32 @@ class Created:
     created: bool
 
 
+def _refuse_shared_checkpoints(session: Session, tenant_id: int, path: str) -> None:
+    """Conflict when an active job of the tenant writes the same checkpoint directory,
+    or one inside or around it: two jobs would save, prune and resume from each other's
+    steps. A finished job's directory is free (resuming from it is what naming a
+    directory is for). Checkpoint directories lie under the tenant's own base, so other
+    tenants' jobs never overlap; the caller holds the tenant (quota.check_submission),
+    so submissions sent at once are judged one after the other."""
+    active = session.execute(
+        select(Job.id, Job.status, Job.checkpoint_path).where(
+            Job.tenant_id == tenant_id, Job.status.not_in(list(TERMINAL))
+        )
+    )
+    for other, status, theirs in active:
+        if _nested(path, theirs):
+            raise Conflict(
+                f"checkpoint.dir: {path} is in use by job {other} ({status}), which "
+                f"writes {theirs}; name another directory, or submit once that job ends"
+            )
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether one of two checkpoint locations (paths or s3 URIs) lies in the other."""
+    pa, pb = (tuple(p for p in x.split("/") if p) for x in (a, b))
+    return pa[: len(pb)] == pb or pb[: len(pa)] == pa
+
+
 def submit(
     session: Session,
     who: Principal,
@@ -193,6 +219,8 @@ def submit(
             return Created(found, False)
     now = utcnow()
     job_id = str(uuid.uuid4())
+    path = checkpoint_path(checkpoint_base, job_id, checkpoint_sub)
+    _refuse_shared_checkpoints(session, who.tenant_id, path)
     job = Job(
         id=job_id,
         tenant_id=who.tenant_id,
@@ -206,7 +234,7 @@ def submit(
         attempts=0,
         current_dp=0,
         step=0,
-        checkpoint_path=checkpoint_path(checkpoint_base, job_id, checkpoint_sub),
+        checkpoint_path=path,
         events_seen=0,
         logs_seen=0,
         metrics={},

@@ -63,17 +63,20 @@ def submit(
         quota.check_submission(db, who, spec, body.priority, service.settings)
     except quota.OverLimit as over:
         raise Rejected(over.status, str(over)) from None
-    created = store.submit(
-        db,
-        who,
-        spec.model_dump(mode="json"),
-        spec.name,
-        body.submission_id,
-        body.priority,
-        checkpoint_base(service.settings, who.tenant),
-        spec.checkpoint.dir,
-        events=[] if auto is None else [configured_event(auto)],
-    )
+    try:
+        created = store.submit(
+            db,
+            who,
+            spec.model_dump(mode="json"),
+            spec.name,
+            body.submission_id,
+            body.priority,
+            checkpoint_base(service.settings, who.tenant),
+            spec.checkpoint.dir,
+            events=[] if auto is None else [configured_event(auto)],
+        )
+    except store.Conflict as exc:
+        raise HTTPException(409, str(exc)) from None
     if not created.created:
         response.status_code = 200
     return _out(db, created.job, with_spec=True)

@@ -4,11 +4,14 @@ plane to run, files outside its data roots, checkpoint directories outside its o
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.api.conftest import Harness
+from tests.api.conftest import Harness, serve
 from tests.api.test_routes import TINY, _jobs_stored
 
 SYSTEM = {
@@ -195,6 +198,47 @@ def test_checkpoints_live_under_the_tenants_own_directory(harness):
     assert launched[named.json()["id"]]["status"]["checkpoint_root"] == str(
         root / "bob" / "runs" / "exp-1"
     )
+
+
+def test_two_active_jobs_never_share_a_checkpoint_directory(harness):
+    """A job naming a directory an active job of its tenant writes, or one inside or
+    around it, is refused (both would save, prune and resume from each other's steps);
+    once that job ends the directory is free again, to resume from."""
+    c = harness.client
+    alice = harness.headers(harness.tenant_token("alice"))
+    bob = harness.headers(harness.tenant_token("bob"))
+    first = c.post("/v1/jobs", json={"spec": _spec(checkpoint={"dir": "shared"})}, headers=alice)
+    assert first.status_code == 201, first.text
+    plain = c.post("/v1/jobs", json={"spec": TINY}, headers=alice).json()
+    for sub in ("shared", "shared/sub", plain["id"], f"{plain['id']}/x"):
+        r = c.post("/v1/jobs", json={"spec": _spec(checkpoint={"dir": sub})}, headers=alice)
+        assert r.status_code == 409, (sub, r.text)
+        owner = first.json() if sub.startswith("shared") else plain
+        assert f"in use by job {owner['id']} (queued), which writes" in r.json()["detail"]
+    for sub, who in (("shared-2", alice), ("shared", bob)):
+        r = c.post("/v1/jobs", json={"spec": _spec(checkpoint={"dir": sub})}, headers=who)
+        assert r.status_code == 201, (sub, r.text)
+    assert c.post(f"/v1/jobs/{first.json()['id']}/cancel", headers=alice).is_success
+    again = c.post("/v1/jobs", json={"spec": _spec(checkpoint={"dir": "shared"})}, headers=alice)
+    assert again.status_code == 201, again.text
+    assert again.json()["checkpoint_path"] == first.json()["checkpoint_path"]
+
+
+def test_submissions_sent_at_once_get_one_checkpoint_directory(database_url, tmp_path):
+    """Eight submissions naming one directory, at once through a real server: one is
+    queued, seven refused (the tenant's submissions are judged one at a time)."""
+    harness = Harness(database_url, tmp_path / "data", rate_per_s=1e9, rate_burst=10**9)
+    h = harness.headers(harness.tenant_token("alice"))
+    body = {"spec": _spec(checkpoint={"dir": "shared"})}
+    try:
+        with serve(harness) as url, ThreadPoolExecutor(8) as pool:
+            post = partial(httpx.post, f"{url}/v1/jobs", json=body, headers=h, timeout=60)
+            codes = sorted(r.status_code for r in pool.map(lambda _: post(), range(8)))
+        assert codes == [201] + [409] * 7, codes
+        assert _jobs_stored(harness) == 1
+    finally:
+        harness.client.close()
+        harness.service.engine.dispose()
 
 
 @pytest.mark.parametrize("name", [".", "..", ".hidden", "a/b", "../x"])
