@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def _data_dir() -> Path:
@@ -17,6 +20,40 @@ def _data_dir() -> Path:
 
 def _listed(value: str, sep: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in value.split(sep) if item.strip())
+
+
+class SettingsError(ValueError):
+    """A ZEROSERVICE_* variable whose value is not of its kind; the message names it."""
+
+
+def _number(env: Mapping[str, str], name: str, kind: type[int] | type[float]) -> Any:
+    text = env[name]
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "a whole number" if kind is int else "a number"
+        raise SettingsError(f"{name}={text[:40]!r}: not {noun}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SettingsError(f"{name}={text[:40]!r}: not a finite number")
+    return value
+
+
+def _amounts(env: Mapping[str, str], name: str) -> dict[str, float]:
+    """A JSON object of resource amounts, ``{"CPU": 64, "GPU": 8}``."""
+    text = env[name]
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SettingsError(f"{name}={text[:40]!r}: not JSON ({exc})") from None
+    amounts = isinstance(value, dict) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
+        for v in value.values()
+    )
+    if not amounts:
+        raise SettingsError(
+            f'{name}={text[:40]!r}: not an object of resource amounts ({{"CPU": 64, "GPU": 8}})'
+        )
+    return {str(k): float(v) for k, v in value.items()}
 
 
 TOKEN_FILE = "admin-token"
@@ -113,10 +150,12 @@ class Settings:
         for name in ("supervisor_poll_timeout_s", "supervisor_silent_s"):
             value = getattr(self, name)
             if not value > 0:
-                raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
+                raise SettingsError(f"{name}: must be a number of seconds > 0, got {value!r}")
 
     @classmethod
     def from_env(cls) -> Settings:
+        """The settings the environment gives; SettingsError names a variable whose
+        value is not of its kind."""
         env = os.environ
         kwargs: dict = {}
         if "ZEROSERVICE_DATABASE_URL" in env:
@@ -124,7 +163,7 @@ class Settings:
         if "ZEROSERVICE_HOST" in env:
             kwargs["host"] = env["ZEROSERVICE_HOST"]
         if "ZEROSERVICE_PORT" in env:
-            kwargs["port"] = int(env["ZEROSERVICE_PORT"])
+            kwargs["port"] = _number(env, "ZEROSERVICE_PORT", int)
         if "ZEROSERVICE_RAY_ADDRESS" in env:
             kwargs["ray_address"] = env["ZEROSERVICE_RAY_ADDRESS"]
         if "ZEROSERVICE_CHECKPOINT_ROOT" in env:
@@ -132,17 +171,17 @@ class Settings:
         if "ZEROSERVICE_CHECKPOINT_S3_ROOT" in env:
             kwargs["checkpoint_s3_root"] = env["ZEROSERVICE_CHECKPOINT_S3_ROOT"]
         if "ZEROSERVICE_MAX_CLUSTER" in env:
-            kwargs["max_cluster"] = json.loads(env["ZEROSERVICE_MAX_CLUSTER"])
+            kwargs["max_cluster"] = _amounts(env, "ZEROSERVICE_MAX_CLUSTER")
         if "ZEROSERVICE_DEVICE_MEMORY_GIB" in env:
-            kwargs["device_memory_gib"] = float(env["ZEROSERVICE_DEVICE_MEMORY_GIB"])
+            kwargs["device_memory_gib"] = _number(env, "ZEROSERVICE_DEVICE_MEMORY_GIB", float)
         if env.get("ZEROSERVICE_METRICS_TOKEN"):
             kwargs["metrics_token"] = env["ZEROSERVICE_METRICS_TOKEN"]
         if env.get("ZEROSERVICE_ADMIN_TOKEN"):
             kwargs["admin_token"] = env["ZEROSERVICE_ADMIN_TOKEN"]
         if "ZEROSERVICE_SCHEDULER_INTERVAL_S" in env:
-            kwargs["scheduler_interval_s"] = float(env["ZEROSERVICE_SCHEDULER_INTERVAL_S"])
+            kwargs["scheduler_interval_s"] = _number(env, "ZEROSERVICE_SCHEDULER_INTERVAL_S", float)
         if "ZEROSERVICE_SCHEDULER_LEASE_S" in env:
-            kwargs["scheduler_lease_s"] = float(env["ZEROSERVICE_SCHEDULER_LEASE_S"])
+            kwargs["scheduler_lease_s"] = _number(env, "ZEROSERVICE_SCHEDULER_LEASE_S", float)
         if "ZEROSERVICE_MODEL_FACTORIES" in env:
             kwargs["model_factories"] = _listed(env["ZEROSERVICE_MODEL_FACTORIES"], ",")
         if "ZEROSERVICE_DATA_ROOTS" in env:
@@ -154,9 +193,9 @@ class Settings:
         if "ZEROSERVICE_MLFLOW_URIS" in env:
             kwargs["mlflow_uris"] = _listed(env["ZEROSERVICE_MLFLOW_URIS"], ",")
         if "ZEROSERVICE_PLAN_TIMEOUT_S" in env:
-            kwargs["plan_timeout_s"] = float(env["ZEROSERVICE_PLAN_TIMEOUT_S"])
+            kwargs["plan_timeout_s"] = _number(env, "ZEROSERVICE_PLAN_TIMEOUT_S", float)
         if "ZEROSERVICE_PLAN_MEMORY_GIB" in env:
-            kwargs["plan_memory_gib"] = float(env["ZEROSERVICE_PLAN_MEMORY_GIB"])
+            kwargs["plan_memory_gib"] = _number(env, "ZEROSERVICE_PLAN_MEMORY_GIB", float)
         for name in (
             "backfill_grace_s",
             "rate_per_s",
@@ -164,7 +203,7 @@ class Settings:
             "supervisor_silent_s",
         ):
             if f"ZEROSERVICE_{name.upper()}" in env:
-                kwargs[name] = float(env[f"ZEROSERVICE_{name.upper()}"])
+                kwargs[name] = _number(env, f"ZEROSERVICE_{name.upper()}", float)
         for name in (
             "max_events_per_job",
             "max_log_lines_per_job",
@@ -173,11 +212,11 @@ class Settings:
             "rate_burst",
         ):
             if f"ZEROSERVICE_{name.upper()}" in env:
-                kwargs[name] = int(env[f"ZEROSERVICE_{name.upper()}"])
+                kwargs[name] = _number(env, f"ZEROSERVICE_{name.upper()}", int)
         if "ZEROSERVICE_TOKEN_TTL_DAYS" in env:
-            kwargs["token_ttl_days"] = int(env["ZEROSERVICE_TOKEN_TTL_DAYS"])
+            kwargs["token_ttl_days"] = _number(env, "ZEROSERVICE_TOKEN_TTL_DAYS", int)
         if "ZEROSERVICE_MAX_BODY_BYTES" in env:
-            kwargs["max_body_bytes"] = int(env["ZEROSERVICE_MAX_BODY_BYTES"])
+            kwargs["max_body_bytes"] = _number(env, "ZEROSERVICE_MAX_BODY_BYTES", int)
         if "ZEROSERVICE_CPU_RANK_MEMORY_GIB" in env:
-            kwargs["cpu_rank_memory_gib"] = float(env["ZEROSERVICE_CPU_RANK_MEMORY_GIB"])
+            kwargs["cpu_rank_memory_gib"] = _number(env, "ZEROSERVICE_CPU_RANK_MEMORY_GIB", float)
         return cls(**kwargs)

@@ -243,3 +243,80 @@ def test_a_malformed_job_file_is_a_one_line_error_before_any_request(tmp_path, c
         assert main(["submit", str(tmp_path / name)]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{tmp_path / name}: {message}" in err, err
+
+
+def test_values_json_cannot_carry_are_a_one_line_error_naming_the_field(tmp_path, capsys):
+    """NaN, infinities, YAML's dates, binary and sets, a node holding itself, nesting
+    past the limit: each named, before any request (none is served here)."""
+    deep = "[" * 70 + "]" * 70
+    cases = {
+        "nan.json": ('{"optimizer": {"lr": NaN}}', "NaN is not a JSON number"),
+        "big.json": ('{"steps": 1e400}', "steps: inf is not a finite number"),
+        "inf.yaml": ("optimizer: {lr: .inf}\n", "optimizer.lr: inf is not a finite number"),
+        "date.yaml": ("name: 2024-01-01\n", "name: a date is not a JSON value (quote it"),
+        "bin.yaml": ("name: !!binary aGk=\n", "name: binary data is not a JSON value"),
+        "set.yaml": ("engine: !!set {a: null}\n", "engine: a set is not a JSON value"),
+        "self.yaml": ("a: &a [*a]\n", "a[0]: holds itself"),
+        "key.yaml": ("model: {1: x}\n", "model: the key 1 is not text"),
+        "deep.json": ('{"model": {"kwargs": {"x": ' + deep + "}}}", "nested deeper than 64 levels"),
+        "deeper.json": ("[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert main(["submit", str(tmp_path / name)]) == 1, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{tmp_path / name}: {message}" in err, err
+
+
+def test_a_service_that_cannot_be_used_is_a_one_line_error(monkeypatch, capsys):
+    """No server at the URL, a URL or token that cannot be sent, a setting of the wrong
+    kind, a job id that would name another route: one line each, no traceback."""
+    from zscli.client import ApiError, Client, _segment
+
+    cases = [
+        ({"ZEROSERVICE_URL": "http://127.0.0.1:9"}, ["list"], "cannot reach the service at"),
+        ({"ZEROSERVICE_URL": "localhost:8765"}, ["list"], "is not an http:// or https:// URL"),
+        ({"ZEROSERVICE_TOKEN": "zs_\u00e9"}, ["list"], "ZEROSERVICE_TOKEN: not a token"),
+        ({"ZEROSERVICE_TOKEN": "zs_a\nb"}, ["list"], "ZEROSERVICE_TOKEN: not a token"),
+        ({"ZEROSERVICE_PORT": "abc"}, ["list"], "ZEROSERVICE_PORT='abc': not a whole number"),
+        ({"ZEROSERVICE_MAX_CLUSTER": "{bad"}, ["list"], "ZEROSERVICE_MAX_CLUSTER='{bad': not JSON"),
+        ({"ZEROSERVICE_MAX_CLUSTER": '{"CPU": "x"}'}, ["list"], "not an object of resource"),
+        ({}, ["status", ""], "'' is not a job id"),
+        ({}, ["status", ".."], "'..' is not a job id"),
+        ({}, ["cancel", "."], "'.' is not a job id"),
+    ]
+    for env, argv, message in cases:
+        monkeypatch.setenv("ZEROSERVICE_URL", "http://127.0.0.1:9")
+        monkeypatch.setenv("ZEROSERVICE_TOKEN", "zs_x")
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert main(argv) in (1, 2), argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (env, argv, err)
+        monkeypatch.undo()
+    client = Client("http://127.0.0.1:9", "zs_x")
+    for job_id in ("../../openapi.json", "a#b", "a?b"):
+        request = client.http.build_request("GET", f"/v1/jobs/{_segment(job_id)}")
+        assert request.url.raw_path.count(b"/") == 3, request.url  # one segment under /v1/jobs
+    assert str(ApiError(0, "down")) == "down" and str(ApiError(404, "gone")) == "HTTP 404: gone"
+
+
+def test_events_pages_through_every_event(monkeypatch, capsys):
+    """``events`` prints all of a job's events, not the first page."""
+    pages = {0: [{"id": i} for i in range(1, 201)], 200: [{"id": i} for i in range(201, 253)]}
+
+    class Paged:
+        def all_events(self, job_id):
+            from zscli.client import Client
+
+            return Client.all_events(self, job_id)  # type: ignore[arg-type]
+
+        def events(self, job_id, after=0):
+            return [
+                {**e, "time": "t", "kind": "k", "reason": "r", "message": str(e["id"])}
+                for e in pages.get(after, [])
+            ]
+
+    monkeypatch.setattr(service_cli, "_client", Paged)
+    assert main(["events", "j"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 252

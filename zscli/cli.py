@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from api.settings import SettingsError
+from zscli.client import ApiError
 from zscli.plan_cli import add_plan_parser
 
 
@@ -118,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         return int(args.func(args))
+    except SettingsError as exc:  # a ZEROSERVICE_* variable of the wrong kind
+        print(f"zeroservice: {exc}", file=sys.stderr)
+        return 2
+    except ApiError as exc:  # one raised outside a command's own handling
+        print(f"zeroservice: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         if not _reader_gone():
             raise  # another pipe or socket: an error to show

@@ -67,6 +67,8 @@ def _load_spec(path: str) -> dict[str, Any]:
 
         try:
             spec = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader
+        except RecursionError:
+            raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark
             where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -74,12 +76,54 @@ def _load_spec(path: str) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise ValueError(f"not valid YAML: {exc}") from exc
     else:
-        spec = json.loads(text)
+        try:
+            spec = json.loads(text, parse_constant=_no_constant)
+        except RecursionError:
+            raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
     if spec is None:
         raise ValueError("empty: no job spec in it")
     if not isinstance(spec, dict):
         raise ValueError(f"a job spec is a mapping of fields, not a {type(spec).__name__}")
+    _check_json(spec, "", 0, set())
     return spec
+
+
+MAX_DEPTH = 64
+"""Nesting a job spec may have here (the API allows 16 levels inside its free-form
+fields); deeper is refused before anything is sent."""
+
+
+def _check_json(value: Any, where: str, depth: int, open_: set[int]) -> None:
+    """ValueError naming the field whose value JSON cannot carry: NaN or infinity, a
+    YAML date, binary or set, a container holding itself, or nesting past MAX_DEPTH."""
+    name = where or "the spec"
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels (at {name[:60]}...)")
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{name}: {value} is not a finite number (JSON has none)")
+        return
+    if not isinstance(value, dict | list):
+        kind = {"date": "a date", "datetime": "a date and time", "bytes": "binary data"}.get(
+            type(value).__name__, f"a {type(value).__name__}"
+        )
+        raise ValueError(f"{name}: {kind} is not a JSON value (quote it, if it is text)")
+    if id(value) in open_:
+        raise ValueError(f"{name}: holds itself (a YAML alias of an enclosing node)")
+    open_.add(id(value))
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(value, dict) and not isinstance(key, str):
+            raise ValueError(f"{name}: the key {key!r} is not text (quote it)")
+        inner = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
+        _check_json(item, inner, depth + 1, open_)
+    open_.discard(id(value))
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number (a job spec's numbers are finite)")
 
 
 def _yaml_loader() -> type:
@@ -111,7 +155,13 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"job {job['id']} ({job['name']}): {job['status']}")
     if not args.watch:
         return 0
-    return watch(client, job["id"])
+    try:
+        return watch(client, job["id"])
+    except ApiError as exc:
+        return _fail(exc)
+    except KeyboardInterrupt:
+        print(f"\nstopped watching; the job goes on (zeroservice status {job['id']})")
+        return 130
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -236,7 +286,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     try:
-        events = _client().events(args.id)
+        events = _client().all_events(args.id)
     except ApiError as exc:
         return _fail(exc)
     for e in events:
@@ -270,7 +320,7 @@ def _report(args: argparse.Namespace) -> int:
         job = client.job(args.id)
         metrics = history_pages(client, args.id)
         files = render(job, metrics, args.out or f"report-{args.id[:8]}")
-    except (ApiError, ValueError) as exc:
+    except (ApiError, ValueError, OSError) as exc:
         return _fail(exc)
     for path in files:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
@@ -288,7 +338,10 @@ def _compare(args: argparse.Namespace) -> int:
     empty = [job["id"] for job, metrics in runs if not metrics["history"]]
     if empty:
         return _fail(ValueError(f"no per-step history yet for {', '.join(empty)}"))
-    path = compare(runs, args.out or f"compare-{args.ids[0][:8]}-{args.ids[1][:8]}.png")
+    try:
+        path = compare(runs, args.out or f"compare-{args.ids[0][:8]}-{args.ids[1][:8]}.png")
+    except OSError as exc:
+        return _fail(exc)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     return 0
 
