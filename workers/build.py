@@ -50,7 +50,29 @@ def _transformers_model(spec: TransformersModelSpec) -> nn.Module:
         raise ValueError(
             f"model.vocab_size: {spec.vocab_size} differs from the config's {config.vocab_size}"
         )
+    _check_positions(spec, config)
     return CausalLMLoss(cls(config))
+
+
+POSITION_LIMITS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+"""Config fields that bound the positions a transformers model takes, as families name
+them (GPT-2; Llama, OPT, BERT-style; older GPT-2 configs; others)."""
+
+
+def _check_positions(spec: TransformersModelSpec, config: Any) -> None:
+    """A sample longer than the model's positions fails its first forward on every rank
+    (a learned position table indexed past its end): refused at submission instead. A
+    model with rotary positions states a limit too, and is held to it."""
+    for name in POSITION_LIMITS:
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            if spec.seq_len > limit:
+                raise ValueError(
+                    f"model.seq_len: {spec.seq_len} tokens per sample is more than the "
+                    f"model's {limit} positions (model.config.{name}): raise "
+                    f"model.config.{name} or lower model.seq_len"
+                )
+            return
 
 
 def _factory_model(spec: FactoryModelSpec) -> nn.Module:

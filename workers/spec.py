@@ -111,7 +111,7 @@ class TransformersModelSpec(_Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     """Arguments of the architecture's config class (n_layer, hidden_size, ...)."""
     seq_len: int = Field(128, ge=1, le=1_048_576)
-    """Tokens per sample."""
+    """Tokens per sample; at most the positions the config states (workers/build.py)."""
     vocab_size: int = Field(ge=2, le=1_048_576)
     """Vocabulary size (must equal the config's)."""
 

@@ -50,3 +50,24 @@ def test_a_factory_over_the_memory_bound_is_stopped(local_ray):
     spec = tiny_job(model=_factory("hungry", gib=1.5))
     with pytest.raises(ModelNotBuildable, match=r"model.factory: .* over 1 GiB of memory"):
         count_on_worker(spec, timeout_s=120, memory_bytes=1 * GIB)
+
+
+@pytest.mark.parametrize(
+    "architecture,config,field",
+    [
+        ("GPT2LMHeadModel", {"n_positions": 8}, "n_positions"),
+        ("LlamaForCausalLM", {"max_position_embeddings": 8}, "max_position_embeddings"),
+    ],
+)
+def test_a_sample_longer_than_the_models_positions_is_refused(architecture, config, field):
+    """A GPT-2 indexes its position table past the end at the first forward of every
+    rank; the limit a config states is checked where the model is built for its plan."""
+    pytest.importorskip("transformers")
+    base = {"vocab_size": 256, "num_hidden_layers": 1, "hidden_size": 16}
+    base |= {"num_attention_heads": 2, "intermediate_size": 32, "n_layer": 1}
+    base |= {"n_embd": 16, "n_head": 2}
+    model = {**TINY_GPT2, "architecture": architecture, "config": {**base, **config}}
+    fits = tiny_job(model={**model, "seq_len": 8})
+    assert count_parameters(fits) > 0
+    with pytest.raises(ValueError, match=rf"model.seq_len: 9 tokens .* 8 positions .*{field}"):
+        count_parameters(tiny_job(model={**model, "seq_len": 9}))
