@@ -83,14 +83,7 @@ def check_submission(
         raise OverLimit(
             422, f"priority: {priority} is above this tenant's ceiling {tenant.max_priority}"
         )
-    ranks = quota_ranks(spec.resources)
-    gpus = ranks * spec.resources.gpus_per_rank
-    largest = "" if spec.resources.highest_dp == spec.resources.lowest_dp else " at max_dp"
-    for name, need, limit in (("ranks", ranks, tenant.max_ranks), ("GPUs", gpus, tenant.max_gpus)):
-        if limit is not None and need > limit:
-            raise OverLimit(
-                422, f"resources: needs {need} {name}{largest}; this tenant's quota is {limit}"
-            )
+    _within_quotas(tenant, spec)
     queued = session.execute(
         select(func.count(Job.id)).where(
             Job.tenant_id == who.tenant_id, Job.status == JobState.QUEUED
@@ -101,6 +94,27 @@ def check_submission(
     )
     if queued >= most:
         raise OverLimit(429, f"quota: {queued} jobs queued, this tenant's limit is {most}")
+
+
+def check_admissible(session: Session, tenant_id: int, spec: JobSpec, settings: Settings) -> None:
+    """OverLimit (422) when the job could never be admitted, whatever else runs: larger
+    than the cluster can ever be, or than the tenant's rank or GPU quota. ``POST
+    /v1/plan`` asks this, so that a plan and a submission of one spec agree."""
+    _fits_the_cluster(spec, settings)
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is not None:
+        _within_quotas(tenant, spec)
+
+
+def _within_quotas(tenant: Tenant, spec: JobSpec) -> None:
+    ranks = quota_ranks(spec.resources)
+    gpus = ranks * spec.resources.gpus_per_rank
+    largest = "" if spec.resources.highest_dp == spec.resources.lowest_dp else " at max_dp"
+    for name, need, limit in (("ranks", ranks, tenant.max_ranks), ("GPUs", gpus, tenant.max_gpus)):
+        if limit is not None and need > limit:
+            raise OverLimit(
+                422, f"resources: needs {need} {name}{largest}; this tenant's quota is {limit}"
+            )
 
 
 def _hold_tenant(session: Session, tenant_id: int) -> None:

@@ -6,12 +6,23 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..deps import CurrentPrincipal, ServiceDep
+from .. import quota
+from ..deps import CurrentPrincipal, ServiceDep, SessionDep
+from ..errors import Rejected
 from ..schemas import PlanRequest
 
 router = APIRouter(prefix="/v1/plan", tags=["plan"])
 
 
 @router.post("")
-def plan(body: PlanRequest, service: ServiceDep, who: CurrentPrincipal) -> dict[str, Any]:
-    return service.confined_plan(body.spec, who.tenant, body.device_memory_gib, False)[1]
+def plan(
+    body: PlanRequest, service: ServiceDep, db: SessionDep, who: CurrentPrincipal
+) -> dict[str, Any]:
+    """The memory plan; 422 where a submission of the spec would be refused for good
+    (its model, its memory, the cluster's size, the tenant's quotas)."""
+    spec, plan = service.confined_plan(body.spec, who.tenant, body.device_memory_gib, False)
+    try:
+        quota.check_admissible(db, who.tenant_id, spec, service.settings)
+    except quota.OverLimit as over:
+        raise Rejected(over.status, str(over)) from None
+    return plan

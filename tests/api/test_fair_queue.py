@@ -35,6 +35,8 @@ def test_a_job_larger_than_the_cluster_can_be_is_refused_with_the_numbers(harnes
     r = harness.client.post("/v1/jobs", json={"spec": huge, "priority": 100}, headers=h)
     assert r.status_code == 422
     assert "needs 4096 CPU at min_dp 4096 × mp 1; the cluster has at most 16" in r.text
+    plan = harness.client.post("/v1/plan", json={"spec": huge}, headers=h)
+    assert plan.status_code == 422 and plan.json() == r.json()  # the plan agrees
     ok = harness.client.post("/v1/jobs", json={"spec": TINY, "priority": 100}, headers=h)
     assert ok.status_code == 201
 
@@ -95,6 +97,9 @@ def test_priority_ceilings_and_quotas_are_per_tenant(harness):
     assert r.status_code == 422
     r = c.post("/v1/jobs", json={"spec": FOUR}, headers=alice)
     assert r.status_code == 422 and "needs 4 ranks; this tenant's quota is 2" in r.text
+    plan = c.post("/v1/plan", json={"spec": FOUR}, headers=alice)
+    assert plan.status_code == 422 and plan.json() == r.json()  # the plan agrees
+    assert c.post("/v1/plan", json={"spec": FOUR}, headers=bob).json()["fits"]  # not bob's quota
     one = _submit(harness, alice, priority=50)
     two = _submit(harness, alice, priority=50)
     r = c.post("/v1/jobs", json={"spec": TINY}, headers=alice)
