@@ -32,6 +32,10 @@ def check_factory(factory: str, allowed: tuple[str, ...]) -> None:
     )
 
 
+NAME_MAX = 255
+"""Bytes in one name of a path, the limit of Linux's file systems."""
+
+
 def tenant_data_roots(settings: Settings, tenant: str) -> list[str]:
     return [os.path.realpath(root.replace("{tenant}", tenant)) for root in settings.data_roots]
 
@@ -40,10 +44,18 @@ def resolve_data_path(path: str, tenant: str, settings: Settings) -> str:
     """The real path (symlinks resolved) of ``path``, which must lie under one of the
     tenant's data roots; a relative path is taken from the first root."""
     roots = tenant_data_roots(settings, tenant)
-    if "\x00" in path:
-        raise Refused("data.path: a NUL character is refused")
+    if any(c < " " or c == "\x7f" for c in path):
+        raise Refused("data.path: a control character (a NUL, a newline, ...) is refused")
+    long = next((part for part in path.split("/") if len(part.encode()) > NAME_MAX), None)
+    if long is not None:
+        raise Refused(
+            f"data.path: the name {long[:24]!r}... is over {NAME_MAX} bytes, which no file "
+            "system holds"
+        )
     real = os.path.realpath(os.path.join(roots[0], path))
-    if not any(real == root or real.startswith(root + os.sep) for root in roots):
+    if real in roots:
+        raise Refused(f"data.path: {path!r} is a data root itself (a directory): name a file")
+    if not any(real.startswith(root + os.sep) for root in roots):
         raise Refused(f"data.path: {path!r} is not under this tenant's data roots")
     return real
 

@@ -125,6 +125,25 @@ def test_data_paths_outside_the_tenants_roots_are_refused_by_name(harness):
     assert _jobs_stored(harness) == 0
 
 
+@pytest.mark.parametrize(
+    "path,message",
+    [
+        (".", "'.' is a data root itself (a directory): name a file"),
+        ("texts/..", "'texts/..' is a data root itself"),
+        ("x" * 256, "the name 'xxxxxxxxxxxxxxxxxxxxxxxx'... is over 255 bytes"),
+        ("a\nb", "a control character (a NUL, a newline, ...) is refused"),
+        ("a\tb", "a control character"),
+    ],
+)
+def test_a_data_path_no_job_could_read_is_refused_by_name(harness, path, message):
+    h = harness.headers(harness.tenant_token("alice"))
+    (harness.settings.data_dir / "data" / "alice" / "texts").mkdir(parents=True)
+    for route in ("/v1/jobs", "/v1/plan"):
+        r = harness.client.post(route, json={"spec": _data(path)}, headers=h)
+        assert r.status_code == 422 and f"data.path: {message}" in r.text, r.text
+    assert _jobs_stored(harness) == 0
+
+
 def test_a_data_path_under_the_tenants_root_is_stored_resolved(harness):
     h = harness.headers(harness.tenant_token("alice"))
     root = harness.settings.data_dir / "data" / "alice"
