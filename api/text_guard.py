@@ -2,8 +2,9 @@
 text refuses it) or an unpaired UTF-16 surrogate (no UTF-8 encodes it, so a job
 stored with one could never be read back), anywhere in the URL or in a JSON body's
 keys and strings. 422 names where; nothing reaches a route. So is JSON that Python
-reads only past its own limits (a number of thousands of digits, deep nesting), and
-a body that is not UTF-8 (RFC 8259), which Python's reader would otherwise decode."""
+reads only past its own limits (a number of thousands of digits, deep nesting), a
+body that is not UTF-8 (RFC 8259), which Python's reader would otherwise decode, and
+an object with a key twice."""
 
 from __future__ import annotations
 
@@ -86,6 +87,24 @@ def _other_encoding(body: bytes) -> str | None:
     return None
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different. With one twice, parsers differ on which
+    value counts (Python's keeps the last, others the first), so a proxy or a log could
+    read another job than the one stored: RFC 8259 leaves it open, and it is refused."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _refused_body(body: bytes) -> str | None:
     """Why a JSON body is refused before any route reads it, or None. JSON that Python
     reads only past its own limits (an integer of more than 4300 digits, nesting deeper
@@ -96,7 +115,9 @@ def _refused_body(body: bytes) -> str | None:
     if encoding is not None:
         return f"body: JSON must be UTF-8 text (RFC 8259); this body is {encoding}"
     try:
-        where = bad_string_path(json.loads(body))
+        where = bad_string_path(json.loads(body, object_pairs_hook=_unique_keys))
+    except DuplicateKey as exc:
+        return f"body: the key {exc.key[:64]!r} appears twice in one object"
     except json.JSONDecodeError:
         return None  # not JSON: the route answers it
     except UnicodeDecodeError as exc:  # a ValueError too: before the digits' case

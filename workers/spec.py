@@ -368,8 +368,8 @@ def _in_first_block(name: str, n_layer: int) -> str:
 class JobSpec(_Strict):
     """A training job, as submitted."""
 
-    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[\w.\- ]+$")
-    """A label for people (letters, digits, spaces, . _ -)."""
+    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[\w.\- ]*[\w.\-][\w.\- ]*$")
+    """A label for people (letters, digits, spaces, . _ -; not spaces alone)."""
     model: ModelSpec = Field(default_factory=GPTModelSpec)
     """What to train."""
     data: DataSpec = Field(default_factory=DataSpec)
@@ -443,6 +443,13 @@ class JobSpec(_Strict):
                 )
         if self.data.kind == "text" and self.model.vocab_size < 256:
             raise ValueError("model.vocab_size: text data is bytes, needs vocab_size >= 256")
+        given = self.engine.get("train_micro_batch_size")
+        if given is not None and given != self.micro_batch:
+            raise ValueError(
+                f"engine.train_micro_batch_size: {given} differs from micro_batch "
+                f"{self.micro_batch}, the samples each rank's micro-batch takes; leave it "
+                "out (it is micro_batch)"
+            )
         self._leaf_modules_exist()
         return self
 

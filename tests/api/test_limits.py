@@ -198,6 +198,11 @@ def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
             "body: JSON must be UTF-8 text (RFC 8259); this body is UTF-16 or UTF-32",
         ),
         (
+            b'{"spec": {"steps": -1, "steps": 5}}',
+            "body: the key 'steps' appears twice in one object",
+        ),
+        (b'{"spec": {}, "spec": {}}', "body: the key 'spec' appears twice in one object"),
+        (
             b"\xef\xbb\xbf" + b'{"spec": {"name": "x"}}',
             "body: JSON must be UTF-8 text (RFC 8259); this body is UTF-8 with a byte order mark",
         ),

@@ -77,6 +77,11 @@ def _error(body) -> str:
         ({"optimizer": {"betas": [0.9, 1.5]}}, "beta"),
         ({"timeouts": {"step_s": 0}}, "timeouts.step_s"),
         ({"name": "bad/name"}, "name"),
+        ({"name": "   "}, "name"),
+        (
+            {"micro_batch": 4, "engine": {"train_micro_batch_size": 8}},
+            "engine.train_micro_batch_size: 8 differs from micro_batch 4",
+        ),
         ({"resources": {"host_allocator": "jemalloc"}}, "resources.host_allocator"),
     ],
 )
