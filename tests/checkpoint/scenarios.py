@@ -101,6 +101,17 @@ def load_and_continue(spec: Spec, path: str, steps: int, resave: str | None = No
     }
 
 
+def go_back_and_save(spec: Spec, path: str, root: str, keep: int) -> dict:
+    """Load ``path`` (a step, or the root to fall back from), train one step, save under
+    ``root`` with ``keep``: where the save went and which step was loaded."""
+    engine = engine_for(spec)
+    result = engine.load_checkpoint(path)
+    start = result.client_state["next_step"]
+    _train(engine, spec, range(start, start + 1))
+    saved = engine.save_checkpoint(root, client_state={"next_step": start + 1}, keep=keep)
+    return {"loaded": result.step, "saved": str(saved)}
+
+
 def try_load(spec: Spec, path: str) -> str:
     engine = engine_for(spec)
     try:

@@ -36,6 +36,47 @@ def test_retention_keeps_the_newest_n(tmp_path, background):
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["step-00000003", "step-00000004"]
 
 
+def test_a_run_that_went_back_keeps_what_it_saves(three_saves):
+    """Back at step 1, the save of step 2 (keep 1) stays, and so does the higher step 3
+    of the run it went back past; step 1, older, goes. See [Note: pruning]."""
+    root, (first, _, third) = three_saves
+    r = run_local(sc.go_back_and_save, 2, SPEC, str(first), str(root), 1)[0]
+    assert r["loaded"] == 1 and r["saved"] == str(root / "step-00000002")
+    assert [p.name for p in sorted(root.iterdir())] == ["step-00000002", "step-00000003"]
+    assert (root / "step-00000002" / "manifest.json").is_file() and third.is_dir()
+
+
+def test_a_fall_back_past_corrupt_checkpoints_keeps_the_new_save(three_saves):
+    """Steps 2 and 3 corrupt: the load falls back to 1, the save of the new step 2 (keep
+    1) replaces the corrupt one and stays; the next load skips step 3 and finds it."""
+    root, (_, second, third) = three_saves
+    for directory in (second, third):
+        _corrupt(directory, "truncated")
+    r = run_local(sc.go_back_and_save, 2, SPEC, str(root), str(root), 1)[0]
+    assert r["loaded"] == 1 and r["saved"] == str(second)
+    assert [p.name for p in sorted(root.iterdir())] == ["step-00000002", "step-00000003"]
+    again = _load(root)
+    assert again["step"] == 2 and [p for p, _ in again["skipped"]] == [str(third)]
+
+
+def test_pruning_removes_only_what_a_save_wrote(tmp_path):
+    """An interrupted save's directory (rank files, temporary names) older than the new
+    checkpoint goes; a directory of another name stays, and so do files a save did not
+    write (with their directory), in an old checkpoint too."""
+    left = tmp_path / "step-00000000"
+    left.mkdir()
+    (left / "rank-00000.bin").write_bytes(b"x")
+    (left / "manifest.json.tmp").write_bytes(b"{")
+    for name in ("step-0", "step-00000001"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
+    run_local(sc.save_every, 2, SPEC, str(tmp_path), 3, 1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-0", "step-00000001", "step-00000003"], names
+    assert [p.name for p in (tmp_path / "step-00000001").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "step-0" / "notes.txt").read_text() == "mine"
+
+
 def _corrupt(directory, how: str) -> str:
     """Damage one checkpoint; return what the error must say."""
     shard = directory / "rank-00001.bin"

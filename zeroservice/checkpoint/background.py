@@ -138,6 +138,6 @@ def save_in_background(
         for r in range(world):
             store.remove(report_path(r))
         remove_replaced(directory, replaced, reports)
-        prune(root, keep)
+        prune(root, keep, directory)
 
     return SaveHandle(directory).start(write)

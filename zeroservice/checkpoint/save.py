@@ -18,6 +18,19 @@ already committed there if it fails. So its rank files get new names beside the
 committed ones, the new manifest replaces the old one atomically, and only then are
 the old files removed; a failure removes the new files alone. (The step directory used
 to be un-committed first and removed on the failure: the only checkpoint was gone.)
+
+[Note: pruning]
+After a commit, ``keep`` bounds the complete checkpoints: the newest ``keep`` up to the
+one just committed stay (that one always), older ones go, and so do older step
+directories an interrupted save left. Going means the files a save writes (the manifest
+first, then rank files and temporary names), then the directory if nothing else is in
+it. Never touched: the checkpoint just committed; directories of a higher step, which a
+run that went back (a fall-back past corrupt checkpoints, a load of an older step) left
+behind (a corrupt one may still be newest: a load from the root skips it and finds this
+run's); directories whose name this engine does not write (``step-0``); files it does
+not write. A resume from the root loads the highest step that is sound,
+so after going back to an older step of one's own choosing, a sound higher step of the
+abandoned run is what it would load: remove those, or save under another root.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import base64
 import errno
 import json
 import random
+import re
 import secrets
 import time
 from dataclasses import asdict
@@ -41,6 +55,7 @@ from .layout import held_pieces
 from .manifest import (
     FORMAT,
     MANIFEST,
+    STEP_DIR,
     VERSION,
     candidates,
     read_manifest,
@@ -48,7 +63,7 @@ from .manifest import (
     write_manifest,
 )
 from .state import ShardedState
-from .storage import Location, Where, location, storage_for
+from .storage import Location, Storage, Where, location, storage_for
 
 
 def per_element_kinds(state: ShardedState) -> tuple[list[str], dict[str, Any]]:
@@ -225,7 +240,7 @@ def save_checkpoint(
         errors = [failure] if failure else []
         if not errors:
             remove_replaced(directory, replaced, reports)
-            prune(root, keep)
+            prune(root, keep, directory)
     written = [r["file"] for r in reports]
     _agree("; ".join(errors) or None, directory, state, written)
     return directory
@@ -348,18 +363,50 @@ def manifest_header(state: ShardedState, kinds, scalars, client_state) -> dict[s
     }
 
 
-def prune(root: Where, keep: int) -> list[Location]:
-    """Keep the newest ``keep`` complete checkpoints; drop older ones and older leftovers
-    of interrupted saves."""
+def prune(root: Where, keep: int, committed: Location) -> list[Location]:
+    """Keep the newest ``keep`` complete checkpoints up to the one just ``committed``;
+    drop older ones and older leftovers of interrupted saves. See [Note: pruning]."""
     removed, complete = [], 0
     store = storage_for(location(root))
+    named = STEP_DIR.match(committed.name)
+    step = int(named.group(1)) if named else None
     for path in candidates(root):
+        match = STEP_DIR.match(path.name)
+        if match is None or path.name != step_dir_name(int(match.group(1))):
+            continue  # a name this engine does not write (step-0, step-001)
+        if step is not None and int(match.group(1)) > step:
+            continue  # from a run this one went back past: not counted, not removed
         if store.is_file(path / MANIFEST):
             complete += 1
-            if complete <= keep:
+            if complete <= keep or path == committed:
                 continue
         elif complete == 0:
             continue  # newer than every complete checkpoint: perhaps being written
-        store.remove_tree(path)
-        removed.append(path)
+        if _remove_own_files(store, path):
+            removed.append(path)
     return removed
+
+
+_OWN_FILE = re.compile(r"^(rank-\d{5}(\.[0-9a-f]{8})?\.bin|manifest\.json)(\.tmp)?$")
+"""The files a save writes in a step directory (and their temporary names)."""
+
+
+def _remove_own_files(store: Storage, path: Location) -> bool:
+    """Remove what a save writes in ``path`` (the manifest first: the checkpoint is then
+    incomplete, never half there), then the directory if nothing else is in it.
+    Whether the directory went."""
+    entries = store.list_entries(path)
+    own = sorted(
+        (n for n, is_dir in entries if not is_dir and _OWN_FILE.match(n)), key=_manifest_first
+    )
+    for name in own:
+        store.remove(path / name)
+    if len(own) < len(entries):
+        return False  # something this engine did not write: the directory stays
+    store.remove_tree(path)
+    return True
+
+
+def _manifest_first(name: str) -> bool:
+    """Sort key: the manifest (False) before the rank files (True)."""
+    return name != MANIFEST

@@ -139,6 +139,10 @@ class Storage:
         """Names of the sub-directories (sub-prefixes) directly under ``loc``."""
         raise NotImplementedError
 
+    def list_entries(self, loc: Location) -> list[tuple[str, bool]]:
+        """(name, is a directory) of everything directly under ``loc``."""
+        raise NotImplementedError
+
     def make_dirs(self, loc: Location) -> None:
         raise NotImplementedError
 
@@ -193,6 +197,10 @@ class LocalStorage(Storage):
     def list_dirs(self, loc: Location) -> list[str]:
         path = Path(str(loc))
         return [c.name for c in path.iterdir() if c.is_dir()] if path.is_dir() else []
+
+    def list_entries(self, loc: Location) -> list[tuple[str, bool]]:
+        path = Path(str(loc))
+        return [(c.name, c.is_dir()) for c in path.iterdir()] if path.is_dir() else []
 
     def make_dirs(self, loc: Location) -> None:
         Path(str(loc)).mkdir(parents=True, exist_ok=True)
@@ -288,6 +296,14 @@ class FsspecStorage(Storage):
             except FileNotFoundError:
                 return []
         return [e["name"].rstrip("/").rpartition("/")[2] for e in entries if e["type"] != "file"]
+
+    def list_entries(self, loc: Location) -> list[tuple[str, bool]]:
+        with _as_oserror(loc):
+            try:
+                entries = self.fs.ls(self._key(loc), detail=True)
+            except FileNotFoundError:
+                return []
+        return [(e["name"].rstrip("/").rpartition("/")[2], e["type"] != "file") for e in entries]
 
     def make_dirs(self, loc: Location) -> None:
         """Nothing: a prefix exists once an object is under it."""
