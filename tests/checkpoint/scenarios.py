@@ -112,6 +112,29 @@ def go_back_and_save(spec: Spec, path: str, root: str, keep: int) -> dict:
     return {"loaded": result.step, "saved": str(saved)}
 
 
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True),
+}
+
+
+def save_then_load_with(spec: Spec, root: str, saved_with: str, loaded_with: str) -> str:
+    """Train a step with one optimizer and save; load into an engine with another: what
+    the load says, or the first step's outcome."""
+    engine = engine_for(spec, optimizer=OPTIMIZERS[saved_with])
+    _train(engine, spec, range(1))
+    engine.save_checkpoint(root, client_state={"next_step": 1})
+    engine.close()
+    other = engine_for(spec, optimizer=OPTIMIZERS[loaded_with])
+    try:
+        other.load_checkpoint(root)
+    except CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    _train(other, spec, range(1, 2))
+    return "loaded and stepped"
+
+
 def try_load(spec: Spec, path: str) -> str:
     engine = engine_for(spec)
     try:

@@ -121,6 +121,13 @@ def _corrupt(directory, how: str) -> str:
     elif how == "kinds":  # a kind dropped from the list: its states would not be read
         m["kinds"].remove("exp_avg_sq")
         said = "lists the state kinds ['exp_avg', 'master'] but its segments hold ['exp_avg', "
+    elif how == "segment":  # a parameter's exp_avg dropped: it was taken for a frozen one
+        name = m["segments"][-1]["param"]
+        m["segments"] = [s for s in m["segments"] if (s["param"], s["kind"]) != (name, "exp_avg")]
+        said = f"lists exp_avg_sq of {name} but no exp_avg (an edited or damaged manifest)"
+    elif how == "one rank's rng":  # an error of a kind only rank 1 meets: rank 0 waited
+        m["rng"][1]["numpy"][1][0] = 2**40
+        said = "malformed manifest (OverflowError"
     else:
         raise AssertionError(how)
     manifest.write_text(json.dumps(m))
@@ -130,7 +137,7 @@ def _corrupt(directory, how: str) -> str:
 @pytest.mark.parametrize(
     "how",
     ["missing", "truncated", "checksum", "version", "dtype", "int master", "scalar", "rng"]
-    + ["kinds"],
+    + ["kinds", "segment", "one rank's rng"],
 )
 def test_fault_is_named_and_resume_falls_back(three_saves, how):
     root, dirs = three_saves
@@ -302,6 +309,33 @@ def test_a_client_state_that_is_not_json_is_refused_before_anything_is_written(
 def test_a_tied_checkpoint_loads_into_an_untied_model(three_saves):
     root, _ = three_saves
     assert run_local(sc.try_load, 2, Spec(stage=2, tie=False), str(root))[0] == "loaded"
+
+
+def test_an_untied_checkpoint_into_a_tied_model_is_refused(tmp_path):
+    """It loaded the embedding into the tied pair and dropped the saved head."""
+    untied = Spec(stage=2, tie=False)
+    run_local(sc.train_and_save, 2, untied, str(tmp_path), 1)
+    for message in run_local(sc.try_load, 2, SPEC, str(tmp_path)):
+        assert message.startswith("CheckpointMismatch"), message
+        assert "wte.weight / head.weight is one tied parameter in this model and 2 in" in message
+
+
+@pytest.mark.parametrize(
+    "saved_with,loaded_with,said",
+    [
+        ("sgd", "adamw", "the checkpoint was saved by SGD; this engine runs AdamW"),
+        ("adamw", "sgd", "the checkpoint was saved by AdamW; this engine runs SGD"),
+        ("adamw", "adamw-amsgrad", "amsgrad is on here and was off at the save"),
+        ("adamw-amsgrad", "adamw", "loaded and stepped"),
+    ],
+)
+def test_an_optimizer_that_cannot_go_on_from_the_checkpoint_is_refused(
+    tmp_path, saved_with, loaded_with, said
+):
+    """Another class (also one whose checkpoint holds no state: plain SGD), and amsgrad
+    turned on (its first step raised KeyError: 'max_exp_avg_sq'), are refused by name."""
+    messages = run_local(sc.save_then_load_with, 2, SPEC, str(tmp_path), saved_with, loaded_with)
+    assert all(said in m for m in messages), messages
 
 
 def test_save_between_micro_batches_is_refused(tmp_path):

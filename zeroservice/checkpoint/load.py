@@ -92,6 +92,12 @@ class _Plan:
             assert saved is not None  # _check_names
             for kind in ["master"] if piece.unit.frozen else self.kinds:
                 segs = index.get((saved["name"], kind), [])
+                states = [k for k in self.kinds if k != "master" and (saved["name"], k) in index]
+                if not segs and kind != "master" and states:
+                    raise CheckpointError(
+                        f"{source}: the manifest lists {', '.join(states)} of {saved['name']} "
+                        f"but no {kind} (an edited or damaged manifest)"
+                    )
                 if not segs and kind != "master" and (saved["name"], "master") in index:
                     raise CheckpointMismatch(
                         f"{source}: {saved['name']} was frozen (requires_grad=False) when "
@@ -179,7 +185,14 @@ def _check_names(
     said = []
     for slot in slots:
         saved = _entry(slot.names, by_name)
-        if saved is None:
+        entries = {id(by_name[n]): by_name[n]["name"] for n in slot.names if n in by_name}
+        if len(entries) > 1:
+            said.append(
+                f"{' / '.join(slot.names)} is one tied parameter in this model and "
+                f"{len(entries)} in the checkpoint ({', '.join(entries.values())}: saved "
+                "untied); tie them alike, or load a checkpoint of the tied model"
+            )
+        elif saved is None:
             said.append(f"no entry for parameter {' / '.join(slot.names)}")
         elif tuple(saved["shape"]) != tuple(slot.shape):
             said.append(
@@ -254,7 +267,9 @@ def load_checkpoint(state: ShardedState, path: Where) -> LoadResult:
             mismatch = str(exc)
         except (CheckpointError, OSError) as exc:
             error = str(exc)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any other error of one rank: see below
+            # Raised on one rank alone it would leave the others waiting in the verdict's
+            # all-gather: every rank reaches it, whatever went wrong here.
             error = f"{directory}: malformed manifest ({type(exc).__name__}: {exc})"
         # Every rank decides alike: a mismatch one rank found (a shape only a piece of its
         # shard shows) is raised by all, where the others used to wait in their next
@@ -283,9 +298,17 @@ def saved_counters(manifest: dict[str, Any]) -> Counters:
 def _check_optimizer(state: ShardedState, manifest: dict[str, Any], source: Location) -> None:
     saved = manifest.get("optimizer", {}).get("class")
     ours = type(state.optimizer).__name__
-    if saved is not None and saved != ours and len(manifest.get("kinds", [])) > 1:
+    if saved is not None and saved != ours:
         raise CheckpointMismatch(
-            f"{source}: optimizer states are {saved}'s; this engine runs {ours}"
+            f"{source}: the checkpoint was saved by {saved}; this engine runs {ours}"
+        )
+    kinds = manifest.get("kinds", [])
+    wants_max = any(g.get("amsgrad") for g in state.optimizer.param_groups)
+    if wants_max and "exp_avg" in kinds and "max_exp_avg_sq" not in kinds:
+        raise CheckpointMismatch(
+            f"{source}: amsgrad is on here and was off at the save: the checkpoint has no "
+            f"max_exp_avg_sq for {ours} to step from (turn amsgrad off, or start its "
+            "optimizer afresh from an exported model)"
         )
     groups = manifest.get("optimizer", {}).get("param_groups")
     mine = state.optimizer.param_groups
