@@ -869,7 +869,10 @@ class Engine:
         from .checkpoint.storage import location, storage_for
 
         path = location(path)
-        names = storage_for(path).list_dirs(path)
+        try:
+            names = storage_for(path).list_dirs(path)
+        except OSError as exc:  # a name too long, a path through a file, no permission
+            raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
         slices = sorted(n for n in names if fnmatch.fnmatchcase(n, "mp-*-of-*"))
         mine = f"mp-{self.mp_rank:02d}-of-{self.mp_size:02d}"
         if not slices:

@@ -135,6 +135,19 @@ def save_then_load_with(spec: Spec, root: str, saved_with: str, loaded_with: str
     return "loaded and stepped"
 
 
+def save_and_load_at(spec: Spec, root: str) -> list[str]:
+    """What a save and a load under ``root`` raise (a CheckpointError), or "ok"."""
+    engine = engine_for(spec)
+    said = []
+    for action in (engine.save_checkpoint, engine.load_checkpoint):
+        try:
+            action(root)
+            said.append("ok")
+        except CheckpointError as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    return said
+
+
 def try_load(spec: Spec, path: str) -> str:
     engine = engine_for(spec)
     try:

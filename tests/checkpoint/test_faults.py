@@ -338,6 +338,13 @@ def test_an_optimizer_that_cannot_go_on_from_the_checkpoint_is_refused(
     assert all(said in m for m in messages), messages
 
 
+def test_a_path_no_file_system_holds_is_a_checkpoint_error(tmp_path):
+    """A name over 255 bytes raised a bare OSError from both save and load."""
+    long = tmp_path / ("x" * 300)
+    for message in run_local(sc.save_and_load_at, 2, SPEC, str(long)):
+        assert message == [f"CheckpointError: {long}: File name too long"] * 2, message
+
+
 def test_save_between_micro_batches_is_refused(tmp_path):
     message = run_local(sc.save_mid_accumulation, 2, str(tmp_path))[0]
     assert "micro-batch(es) accumulated" in message
