@@ -222,13 +222,16 @@ def mixed_precision_parity(spec: Spec, initial_scale: float = 2.0**10) -> dict:
     )
     drift, moved = harness.master_drift(engine, initial, ref.state)
     engine.close()
+    return _losses_and_skips(run, ref) | {"drift": drift, "moved": moved}
+
+
+def _losses_and_skips(run: harness.Run, ref: harness.Run) -> dict:
+    """An fp16 run beside its GradScaler reference: per-step losses and skipped steps."""
     return {
         "losses": run.losses,
         "ref_losses": ref.losses,
         "skipped": run.skipped,
         "ref_skipped": ref.skipped,
-        "drift": drift,
-        "moved": moved,
     }
 
 
@@ -372,14 +375,8 @@ def fp16_summed_range(stage: int, reduce_dtype: str, steps: int = 3) -> dict:
     engine = zeroservice.initialize(model(), config, optimizer=sgd)
     run = harness.run_engine(engine, batches, steps, loss_fn=loss_fn)
     engine.close()
-    return {
-        "losses": run.losses,
-        "ref_losses": ref.losses,
-        "skipped": run.skipped,
-        "ref_skipped": ref.skipped,
-        "weight": run.state["weight"].tolist(),
-        "ref_weight": ref.state["weight"].tolist(),
-    }
+    weights = {"weight": run.state["weight"].tolist(), "ref_weight": ref.state["weight"].tolist()}
+    return _losses_and_skips(run, ref) | weights
 
 
 class _Branchy(torch.nn.Module):
