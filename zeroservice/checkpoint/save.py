@@ -28,9 +28,9 @@ it. Never touched: the checkpoint just committed; directories of a higher step, 
 run that went back (a fall-back past corrupt checkpoints, a load of an older step) left
 behind (a corrupt one may still be newest: a load from the root skips it and finds this
 run's); directories whose name this engine does not write (``step-0``); files it does
-not write. A resume from the root loads the highest step that is sound,
-so after going back to an older step of one's own choosing, a sound higher step of the
-abandoned run is what it would load: remove those, or save under another root.
+not write. A resume from the root loads the highest step that is sound, so after going
+back to an older step of one's own choosing, a sound higher step of the abandoned run
+is what it would load: remove those, or save under another root.
 """
 
 from __future__ import annotations
