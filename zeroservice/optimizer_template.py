@@ -34,6 +34,13 @@ from typing import Any
 
 import torch
 
+STATE_HOOKS = (
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
 TORCH_INTERNALS = frozenset(
     {
         "defaults",
@@ -41,23 +48,13 @@ TORCH_INTERNALS = frozenset(
         "state",
         "_optimizer_step_pre_hooks",
         "_optimizer_step_post_hooks",
-        "_optimizer_state_dict_pre_hooks",
-        "_optimizer_state_dict_post_hooks",
-        "_optimizer_load_state_dict_pre_hooks",
-        "_optimizer_load_state_dict_post_hooks",
+        *STATE_HOOKS,
         "_warned_capturable_if_run_uncaptured",
         "_zero_grad_profile_name",
     }
 )
 """Attributes torch.optim.Optimizer keeps on every instance (compared elsewhere or
 irrelevant to the update)."""
-
-STATE_HOOKS = (
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 
 _MISSING = object()
 

@@ -92,20 +92,8 @@ class _Plan:
             assert saved is not None  # _check_names
             for kind in ["master"] if piece.unit.frozen else self.kinds:
                 segs = index.get((saved["name"], kind), [])
-                states = [k for k in self.kinds if k != "master" and (saved["name"], k) in index]
-                if not segs and kind != "master" and states:
-                    raise CheckpointError(
-                        f"{source}: the manifest lists {', '.join(states)} of {saved['name']} "
-                        f"but no {kind} (an edited or damaged manifest)"
-                    )
-                if not segs and kind != "master" and (saved["name"], "master") in index:
-                    raise CheckpointMismatch(
-                        f"{source}: {saved['name']} was frozen (requires_grad=False) when "
-                        f"this checkpoint was saved and is trainable now: the checkpoint "
-                        f"holds its weights but no {kind} for it. Keep it frozen to load "
-                        "this checkpoint, or start from its weights with a fresh optimizer: "
-                        "`zeroservice checkpoint export` and initialize(..., init=<file>)"
-                    )
+                if not segs and kind != "master":
+                    _no_state(source, saved["name"], kind, self.kinds, index)
                 self._cover(piece, kind, segs, saved["name"])
         self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
         shapes = {b["name"]: b.get("shape") for b in manifest.get("buffers", [])}
@@ -168,6 +156,32 @@ class _Plan:
             if apply is not None and data.data_ptr() != buffer.data_ptr():
                 with torch.no_grad():
                     buffer.copy_(data.view(buffer.shape))
+
+
+def _no_state(
+    source: Location,
+    name: str,
+    kind: str,
+    kinds: list[str],
+    index: dict[tuple[str, str], list[dict[str, Any]]],
+) -> None:
+    """A trainable parameter without segments of optimizer state ``kind``: a manifest
+    that lists other kinds of it was damaged (skipped, the load falls back); one holding
+    its weights alone was saved with the parameter frozen (a mismatch)."""
+    states = [k for k in kinds if k != "master" and (name, k) in index]
+    if states:
+        raise CheckpointError(
+            f"{source}: the manifest lists {', '.join(states)} of {name} but no {kind} "
+            "(an edited or damaged manifest)"
+        )
+    if (name, "master") in index:
+        raise CheckpointMismatch(
+            f"{source}: {name} was frozen (requires_grad=False) when this checkpoint was "
+            f"saved and is trainable now: the checkpoint holds its weights but no {kind} "
+            "for it. Keep it frozen to load this checkpoint, or start from its weights with "
+            "a fresh optimizer: `zeroservice checkpoint export` and "
+            "initialize(..., init=<file>)"
+        )
 
 
 def _check_names(

@@ -396,17 +396,11 @@ def _remove_own_files(store: Storage, path: Location) -> bool:
     incomplete, never half there), then the directory if nothing else is in it.
     Whether the directory went."""
     entries = store.list_entries(path)
-    own = sorted(
-        (n for n, is_dir in entries if not is_dir and _OWN_FILE.match(n)), key=_manifest_first
-    )
+    own = [n for n, is_dir in entries if not is_dir and _OWN_FILE.match(n)]
+    own.sort(key=lambda name: name != MANIFEST)  # the manifest (False) first
     for name in own:
         store.remove(path / name)
     if len(own) < len(entries):
         return False  # something this engine did not write: the directory stays
     store.remove_tree(path)
     return True
-
-
-def _manifest_first(name: str) -> bool:
-    """Sort key: the manifest (False) before the rank files (True)."""
-    return name != MANIFEST
