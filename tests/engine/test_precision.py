@@ -91,14 +91,19 @@ def assert_fp16_follows_ddp(per_rank: list[dict], scale: str) -> None:
 @pytest.mark.parametrize("stage,reduce_dtype", RANGE_CASES)
 def test_fp16_gradients_are_averaged_before_they_are_summed(stage, reduce_dtype):
     """Every rank's scaled gradient fits in fp16 and their sum does not: GradScaler
-    under DDP applies the steps (it judges the mean), and so does the engine. Losses
-    and weights are held to fp16's resolution (the engine computes with fp16 weights);
-    a skipped step moves them by 2.5%."""
+    under DDP applies the steps (it judges the mean), and so does the engine.
+
+    The weights (the engine's fp16 copies of fp32 masters that follow DDP's fp32
+    weights exactly) are held to half an fp16 ulp, 1e-3 relative. The losses are sums
+    computed in fp16 by the CPU's own half-precision kernels, along another path under
+    autocast than the engine's: measured 2.7e-4 apart here, one ulp of one rank's loss,
+    and held at 5e-3 so that another CPU's accumulation order fits. A skipped step
+    moves the loss by about 6% and the weights by 1-2%."""
     for r in _per_rank(3, RANGE_CASES.index((stage, reduce_dtype))):
         assert r["ref_skipped"] == [False, False, False]
         assert r["skipped"] == r["ref_skipped"]
         torch.testing.assert_close(
-            torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-3, atol=0
+            torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=5e-3, atol=0
         )
         torch.testing.assert_close(
             torch.tensor(r["weight"]), torch.tensor(r["ref_weight"]), rtol=1e-3, atol=0
