@@ -10,6 +10,7 @@ import torch
 from tests.checkpoint import scenarios as sc
 from tests.engine.scenarios import Spec
 from zeroservice.checkpoint import CheckpointError, describe
+from zeroservice.checkpoint.manifest import write_manifest
 from zeroservice.launch import run_local
 
 SPEC = Spec(stage=2)
@@ -98,11 +99,22 @@ def _corrupt(directory, how: str) -> str:
         m["version"] = 99
         manifest.write_text(json.dumps(m))
         return f"{manifest}: format version 99 is not supported"
-    # Hand edits the checksums do not cover, each of which loaded garbage or failed
-    # after the state was written.
     manifest = directory / "manifest.json"
     m = json.loads(manifest.read_text())
-    if how in ("dtype", "int master"):
+    if how == "unsigned":  # a digit changed in place: sound bytes read into the wrong slice
+        text = manifest.read_text()
+        start = m["segments"][-1]["start"]
+        edited = text.replace(f'"start": {start},', f'"start": {start + 1},', 1)
+        assert edited != text
+        manifest.write_text(edited)
+        return f"{manifest}: damaged: its content does not match its digest"
+    # Hand edits signed again (a writer that wrote them so), which neither the blocks'
+    # checksums nor the digest catch: each of them loaded garbage or failed after the
+    # state was written.
+    if how == "step":
+        m["step"] = 99
+        said = f"{manifest}: says step 99, but its directory is {directory.name}"
+    elif how in ("dtype", "int master"):
         kind, dtype = ("exp_avg", "float16") if how == "dtype" else ("master", "int32")
         seg = next(s for s in m["segments"] if s["kind"] == kind)
         seg["dtype"] = dtype
@@ -130,14 +142,14 @@ def _corrupt(directory, how: str) -> str:
         said = "malformed manifest (OverflowError"
     else:
         raise AssertionError(how)
-    manifest.write_text(json.dumps(m))
+    write_manifest(directory, m)
     return said
 
 
 @pytest.mark.parametrize(
     "how",
-    ["missing", "truncated", "checksum", "version", "dtype", "int master", "scalar", "rng"]
-    + ["kinds", "segment", "one rank's rng"],
+    ["missing", "truncated", "checksum", "version", "unsigned", "step", "dtype", "int master"]
+    + ["scalar", "rng", "kinds", "segment", "one rank's rng"],
 )
 def test_fault_is_named_and_resume_falls_back(three_saves, how):
     root, dirs = three_saves
@@ -179,7 +191,7 @@ def test_a_checkpoint_of_another_model_is_refused_without_fallback(three_saves):
     for p in m["params"]:
         p["names"] = [n.replace(renamed, "blocks.1.mlp.w") for n in p["names"]]
         p["name"] = p["names"][0]
-    manifest.write_text(json.dumps(m))
+    write_manifest(dirs[-1], m)
     message = _try(root)  # the newest does not fit: an error, not a silent older load
     assert message.startswith("CheckpointMismatch"), message
     assert f"no entry for parameter {renamed}" in message
@@ -195,7 +207,7 @@ def test_a_mismatch_that_one_rank_holds_is_raised_on_every_rank(three_saves):
     renamed = last["names"][0]
     last["names"] = [n + "_other" for n in last["names"]]
     last["name"] = last["names"][0]
-    manifest.write_text(json.dumps(m))
+    write_manifest(dirs[-1], m)
     messages = run_local(sc.try_load, 2, SPEC, str(root), timeout_s=120)
     for message in messages:
         assert message.startswith("CheckpointMismatch"), messages
@@ -208,7 +220,7 @@ def test_a_checkpoint_holding_a_parameter_the_model_lacks_is_refused(three_saves
     manifest = dirs[-1] / "manifest.json"
     m = json.loads(manifest.read_text())
     m["params"].append({"name": "extra", "names": ["extra"], "shape": [3], "numel": 3})
-    manifest.write_text(json.dumps(m))
+    write_manifest(dirs[-1], m)
     for message in run_local(sc.try_load, 2, SPEC, str(root), timeout_s=120):
         assert message.startswith("CheckpointMismatch"), message
         assert "holds parameters this model does not have: extra" in message, message
@@ -222,7 +234,7 @@ def test_a_manifest_missing_what_the_result_needs_is_skipped_before_anything_is_
     manifest = dirs[-1] / "manifest.json"
     m = json.loads(manifest.read_text())
     del m["engine"]
-    manifest.write_text(json.dumps(m))
+    write_manifest(dirs[-1], m)
     r = _load(root)
     assert r["step"] == 2, r  # the next older one, loaded whole
     assert "malformed manifest (KeyError: 'engine')" in str(r["skipped"]), r

@@ -4,10 +4,24 @@ A checkpoint directory is complete exactly when ``manifest.json`` exists: ranks 
 their files first (each atomically), rank 0 writes the manifest after every rank
 has reported. A crash at any moment before that leaves a directory without a
 manifest, which readers skip.
+
+[Note: the manifest's own digest]
+The rank files' blocks carry CRCs, but those CRCs, offsets, element ranges and names
+live in the manifest: a flipped digit there (a segment's ``start``, a parameter's
+name, two labels exchanged) would read sound bytes into the wrong place, and every
+check downstream would pass. So the manifest carries ``digest``, the SHA-256 of its
+own content in a canonical form (keys sorted, no spaces, the digest left out), and a
+reader refuses a manifest whose content does not hash to it, as damaged: a resume
+passes over it to the previous sound checkpoint. The canonical form is taken from
+the JSON as read back, so it does not depend on the writer's indentation, and
+``json`` writes floats so that they read back exactly. A manifest without the field
+(written before it existed) is read as before. The step in the manifest must be the
+one its directory is named for.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -18,6 +32,7 @@ from .storage import Location, Storage, Where, location, storage_for
 FORMAT = "zeroservice-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+DIGEST = "digest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MP_SLICE_DIR = re.compile(r"^mp-\d+-of-\d+$")
 
@@ -26,8 +41,20 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def digest(manifest: dict[str, Any]) -> str:
+    """The SHA-256 of ``manifest`` without its ``digest`` field, in canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def write_manifest(directory: Location, manifest: dict[str, Any]) -> None:
-    atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+    """Write ``manifest`` with its digest (see [Note: the manifest's own digest])."""
+    # Through JSON once: keys become strings as a reader will see them (a client
+    # state's int keys), so the digest is taken over what will be read.
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != DIGEST}))
+    signed = body | {DIGEST: digest(body)}
+    atomic_write_bytes(directory / MANIFEST, json.dumps(signed, indent=1).encode())
 
 
 def _no_manifest(store: Storage, directory: Location, path: Location) -> str:
@@ -68,9 +95,19 @@ def read_manifest(directory: Where) -> dict[str, Any]:
         raise CheckpointError(
             f"{path}: format version {version!r} is not supported (this build reads {VERSION})"
         )
+    if DIGEST in manifest and manifest[DIGEST] != digest(manifest):
+        raise CheckpointError(
+            f"{path}: damaged: its content does not match its digest (edited or corrupt)"
+        )
     for key in ("step", "world_size", "stage", "precision", "params", "segments", "files"):
         if key not in manifest:
             raise CheckpointError(f"{path}: lacks the field {key!r}")
+    named = STEP_DIR.match(location(directory).name)
+    if named and manifest["step"] != int(named.group(1)):
+        raise CheckpointError(
+            f"{path}: says step {manifest['step']!r}, but its directory is "
+            f"{location(directory).name} (an edited or misplaced manifest)"
+        )
     return manifest
 
 
