@@ -71,15 +71,18 @@ def within_quota(session: Session, tenant_id: int, spec: JobSpec, usage: dict) -
 
 
 def check_submission(
-    session: Session, who: Principal, spec: JobSpec, priority: int, settings: Settings
-) -> None:
-    """OverLimit unless the job may be queued now for this tenant. The tenant is held
+    session: Session, who: Principal, spec: JobSpec, priority: int | None, settings: Settings
+) -> int:
+    """The job's priority (``None``: the default, see ``JobSubmit.priority``), or
+    OverLimit unless the job may be queued now for this tenant. The tenant is held
     until the session ends (see ``_hold_tenant``): the caller stores the job in it."""
     _fits_the_cluster(spec, settings)
     _hold_tenant(session, who.tenant_id)
     tenant = session.get(Tenant, who.tenant_id)
     assert tenant is not None
-    if priority > tenant.max_priority and not who.admin:
+    if priority is None:
+        priority = min(0, tenant.max_priority)
+    elif priority > tenant.max_priority and not who.admin:
         raise OverLimit(
             422, f"priority: {priority} is above this tenant's ceiling {tenant.max_priority}"
         )
@@ -94,6 +97,7 @@ def check_submission(
     )
     if queued >= most:
         raise OverLimit(429, f"quota: {queued} jobs queued, this tenant's limit is {most}")
+    return priority
 
 
 def check_admissible(session: Session, tenant_id: int, spec: JobSpec, settings: Settings) -> None:

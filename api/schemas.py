@@ -24,8 +24,10 @@ class JobSubmit(_Body):
     """The job (see docs/configuration.md, "Job spec")."""
     submission_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.\-:]+$")
     """Chosen by the client: resubmitting the same id returns the first job (idempotent)."""
-    priority: int = Field(0, ge=-100, le=100)
-    """Higher is admitted first; equal priorities in order of submission."""
+    priority: int | None = Field(None, ge=-100, le=100)
+    """Higher is admitted first; equal priorities in order of submission. Absent: 0, or
+    the tenant's ceiling where that is below 0 (a default the tenant may not ask for
+    would refuse every job submitted without one)."""
 
 
 class JobOut(BaseModel):

@@ -74,8 +74,12 @@ class Client:
                 response.status_code, f"{method} {path}: the answer is not JSON"
             ) from None
 
-    def submit(self, spec: dict, submission_id: str | None = None, priority: int = 0) -> dict:
-        body: dict[str, Any] = {"spec": spec, "priority": priority}
+    def submit(
+        self, spec: dict, submission_id: str | None = None, priority: int | None = None
+    ) -> dict:
+        body: dict[str, Any] = {"spec": spec}
+        if priority is not None:  # absent: the service's default (see docs/api.md)
+            body["priority"] = priority
         if submission_id is not None:
             body["submission_id"] = submission_id
         return self._call("POST", "/v1/jobs", json=body)

@@ -358,7 +358,7 @@ def add_service_parsers(sub) -> None:
     p.add_argument("file")
     p.add_argument("--watch", action="store_true", help="follow it to the end")
     p.add_argument("--submission-id", help="idempotency key: resubmitting returns the same job")
-    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--priority", type=int, default=None)
     p.set_defaults(func=_submit)
     p = sub.add_parser("list", help="list jobs")
     p.add_argument("--status")

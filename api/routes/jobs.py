@@ -60,7 +60,7 @@ def submit(
     spec, plan = service.confined_plan(body.spec, who.tenant, None, refuse=True)
     auto = plan.get("auto")
     try:
-        quota.check_submission(db, who, spec, body.priority, service.settings)
+        priority = quota.check_submission(db, who, spec, body.priority, service.settings)
     except quota.OverLimit as over:
         raise Rejected(over.status, str(over)) from None
     try:
@@ -70,7 +70,7 @@ def submit(
             spec.model_dump(mode="json"),
             spec.name,
             body.submission_id,
-            body.priority,
+            priority,
             checkpoint_base(service.settings, who.tenant),
             spec.checkpoint.dir,
             events=[] if auto is None else [configured_event(auto)],

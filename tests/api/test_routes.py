@@ -279,6 +279,26 @@ def test_scheduler_admits_by_priority_syncs_events_and_asks_the_autoscaler(harne
     assert cluster["total"]["CPU"] == 2.0
 
 
+def test_a_tenant_held_below_priority_0_submits_without_naming_one(harness):
+    """The default priority (0) was above a negative ceiling: every job submitted
+    without a priority was refused."""
+    c = harness.client
+    h = harness.headers(harness.tenant_token("alice"))
+    r = c.put(
+        "/v1/tenants/alice/limits",
+        json={"max_priority": -5},
+        headers=harness.headers(harness.admin),
+    )
+    assert r.status_code == 200, r.text
+    job = c.post("/v1/jobs", json={"spec": TINY}, headers=h)
+    assert job.status_code == 201, job.text
+    assert job.json()["priority"] == -5
+    refused = c.post("/v1/jobs", json={"spec": TINY, "priority": 0}, headers=h)
+    assert refused.status_code == 422 and "above this tenant's ceiling -5" in refused.text
+    other = harness.headers(harness.tenant_token("bob"))
+    assert c.post("/v1/jobs", json={"spec": TINY}, headers=other).json()["priority"] == 0
+
+
 def test_autoscaler_request_is_bounded_by_the_cluster_maximum(harness):
     fake = harness.backend
     fake.total["CPU"] = 0.0
