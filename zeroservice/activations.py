@@ -563,26 +563,34 @@ def _owned_outside(root: nn.Module, blocks: list[nn.Module]) -> set[int]:
 
 def checkpointed_modules(root: nn.Module, whole: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:
     """Every item of the outermost nn.ModuleLists: the transformer blocks. An item that
-    is itself a container (a list of lists) is no block, since it is never called: its
-    own items are. A list inside an item already found (a block's experts) is
-    recomputed with its block, and a parametrization's list (``torch.nn.utils.parametrize``)
-    computes a weight from other parameters at every access: neither is a block of its
-    own. Nor is a list inside a module of ``whole`` (stage 3's leaf modules, whose
-    weights exist only inside their own forward: see [Note: leaf modules] in
-    leaf_modules.py). A module the lists hold several times (one layer shared by every
-    position, as ALBERT does) is one block, named by its first place."""
+    is itself a container (a list of lists, a list of nn.ModuleDicts) is no block, since
+    it is never called: its own items are, as in the stage-3 partition. A list inside an
+    item already found (a block's experts) is recomputed with its block, and a
+    parametrization's list (``torch.nn.utils.parametrize``) computes a weight from other
+    parameters at every access: neither is a block of its own. Nor is a list inside a
+    module of ``whole`` (stage 3's leaf modules, whose weights exist only inside their
+    own forward: see [Note: leaf modules] in leaf_modules.py). A module the lists hold
+    several times (one layer shared by every position, as ALBERT does) is one block,
+    named by its first place."""
     found: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
+    outer: list[str] = []
+
+    def items(qual: str, container: nn.Module) -> None:
+        for key, item in container.named_children():
+            if isinstance(item, (nn.ModuleList, nn.ModuleDict)):
+                items(f"{qual}.{key}" if qual else key, item)
+            elif id(item) not in seen:
+                seen.add(id(item))
+                found.append((f"{qual}.{key}" if qual else key, item))
+
     for name, module in root.named_modules():
         if not isinstance(module, nn.ModuleList) or isinstance(module, ParametrizationList):
             continue
-        if any(name.startswith(f"{outer}.") for outer, _ in found) or any(
+        if any(o == "" or name.startswith(f"{o}.") for o in outer) or any(
             name.startswith(f"{leaf}.") for leaf in whole
         ):
             continue
-        for i, item in enumerate(module):
-            if isinstance(item, (nn.ModuleList, nn.ModuleDict)) or id(item) in seen:
-                continue
-            seen.add(id(item))
-            found.append((f"{name}.{i}" if name else str(i), item))
+        outer.append(name)
+        items(name, module)
     return found

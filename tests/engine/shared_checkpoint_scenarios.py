@@ -30,6 +30,7 @@ class _Shared(nn.Module):
       checkpointed (its graph is recorded as usual);
     - ``listed-twice``: the list holds one block at places 0 and 2 (ALBERT's sharing);
     - ``list-of-lists``: the list's items are lists of blocks, never called themselves;
+    - ``list-of-dicts``: the list's items are nn.ModuleDicts of blocks, likewise;
     - ``size-grouped-list``: ``stage3_grouping="size"`` makes the whole list one group,
       so at stage 3 no block is a group of its own (their weights are read on demand).
     """
@@ -43,6 +44,10 @@ class _Shared(nn.Module):
             layers[2] = layers[0]
         if kind == "list-of-lists":
             self.blocks = nn.ModuleList([nn.ModuleList(layers[:2]), nn.ModuleList(layers[2:])])
+        elif kind == "list-of-dicts":
+            first, second = nn.ModuleDict({"a": layers[0], "b": layers[1]}), nn.ModuleDict()
+            second["a"] = layers[2]
+            self.blocks = nn.ModuleList([first, second])
         else:
             self.blocks = nn.ModuleList(layers)
         self.order = layers
@@ -76,6 +81,7 @@ KINDS = (
     "keyword-call",
     "listed-twice",
     "list-of-lists",
+    "list-of-dicts",
     "size-grouped-list",
 )
 

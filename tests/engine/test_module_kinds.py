@@ -140,6 +140,13 @@ def test_activation_checkpointing_takes_the_outermost_lists_items_as_blocks():
     model.norm = parametrizations.weight_norm(nn.Linear(8, 8))
     assert [name for name, _ in checkpointed_modules(model)] == ["blocks.0", "blocks.1", "blocks.2"]
     assert checkpointed_modules(_Experts().proj) == []
+    # Items that are containers are never called: their items are the blocks.
+    model.blocks = nn.ModuleList([nn.ModuleDict({"attn": _Experts(), "mlp": nn.Linear(8, 8)})])
+    model.blocks.append(nn.ModuleList([nn.ModuleDict({"x": nn.Linear(8, 8)})]))
+    names = [name for name, _ in checkpointed_modules(model)]
+    assert names == ["blocks.0.attn", "blocks.0.mlp", "blocks.1.0.x"]
+    root = nn.ModuleList(_Experts() for _ in range(2))  # the root itself a list
+    assert [name for name, _ in checkpointed_modules(root)] == ["0", "1"]
 
 
 def _wrapped_refusals() -> dict[str, str]:
