@@ -97,6 +97,14 @@ WITHOUT_EFFECT = {
         "stage3_max_live_parameters) bounds gathered and in-flight elements together"
     ),
     "zero_optimization.round_robin_gradients": "the order DeepSpeed copies offloaded gradients",
+    "prescale_gradients": (
+        "whether DeepSpeed divides gradients before or after summing them over the ranks: "
+        "the mean is the same; here fp16 gradients are divided first (their range) and "
+        "fp32 and bf16 ones after"
+    ),
+    "gradient_predivide_factor": (
+        "how DeepSpeed splits that division between before and after the sum: the mean is the same"
+    ),
 }
 """Keys accepted without effect, and why: none of them changes what is trained."""
 _NUMERIC_WITHOUT_EFFECT = {
@@ -105,6 +113,7 @@ _NUMERIC_WITHOUT_EFFECT = {
     "zero_optimization.stage3_max_reuse_distance",
     "zero_optimization.stage3_prefetch_bucket_size",
 }
+_REAL_WITHOUT_EFFECT = {"gradient_predivide_factor"}
 
 AUTO = (
     "'auto' is filled in by the Hugging Face Trainer from its own arguments before "
@@ -216,6 +225,9 @@ def _without_effect(ds: dict[str, Any], zero: dict[str, Any]) -> dict[str, str]:
             continue
         if name in _NUMERIC_WITHOUT_EFFECT:
             _integer(section, key, where)
+        elif name in _REAL_WITHOUT_EFFECT:
+            if _real(section, key, where) == 0:
+                raise ConfigError(f"{where}{key}=0: must be a finite number > 0")
         else:
             _flag(section, key, where, False)
         found[name] = why

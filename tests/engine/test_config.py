@@ -304,6 +304,9 @@ def test_deepspeed_auto_values_are_refused_saying_who_fills_them_in(ds, name):
         ({"optimizer": {"type": "SGD", "params": {"nesterov": "yes"}}}, "nesterov='yes'"),
         ({"activation_checkpointing": {"cpu_checkpointing": 1}}, "cpu_checkpointing=1: must"),
         ({"zero_optimization": {"sub_group_size": "big"}}, "sub_group_size='big': must be"),
+        ({"gradient_predivide_factor": 0}, "gradient_predivide_factor=0: must be a finite"),
+        ({"gradient_predivide_factor": True}, "gradient_predivide_factor=True: must be a"),
+        ({"prescale_gradients": 1}, "prescale_gradients=1: must"),
     ],
 )
 def test_deepspeed_values_of_the_wrong_type_are_refused_by_key(ds, message):
@@ -324,12 +327,15 @@ def test_deepspeed_keys_without_effect_are_accepted_listed_and_warned():
         "round_robin_gradients": False,
     }
     sample = {"zero_optimization": {**zero, **extra}, "steps_per_print": 2000}
-    sample["wall_clock_breakdown"] = False
+    sample |= {"wall_clock_breakdown": False, "prescale_gradients": True}
+    sample["gradient_predivide_factor"] = 2.0
     with pytest.warns(UserWarning, match="accepted without effect here: steps_per_print"):
         settings = from_deepspeed(sample)
     assert set(settings.without_effect) == {
         "steps_per_print",
         "wall_clock_breakdown",
+        "prescale_gradients",
+        "gradient_predivide_factor",
         *(f"zero_optimization.{k}" for k in extra),
     }
     assert all(settings.without_effect.values())
