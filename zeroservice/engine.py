@@ -49,7 +49,13 @@ from .naming import some_names
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
 from .placeholder_state import guard_placeholders, reading_own_state
 from .planned_params import PlannedParameters
-from .precision import DynamicLossScaler, check_param_dtypes, param_dtype, reduce_dtype
+from .precision import (
+    DynamicLossScaler,
+    cast_floating,
+    check_param_dtypes,
+    param_dtype,
+    reduce_dtype,
+)
 from .quantize import BITS
 from .reduce import GradReducer
 from .redundancy import HostCopies
@@ -203,15 +209,14 @@ class Engine:
             else:
                 construct.fill_from_module(self.units, self.comm)
             construct.release_parameters(self.units)
-            module.to(dtype)  # buffers; parameters are empty placeholders by now
+            cast_floating(module, dtype)  # buffers; parameters are empty placeholders by now
             self._sync_initial_state(params=False)
         else:
             # Restored: the parameters go from the meta device straight into zeroed units.
             target = device if restored else None
             if (deferred or init is not None) and not restored:
                 construct.materialize(module, init, device)
-            if dtype != torch.float32:
-                module.to(dtype)
+            cast_floating(module, dtype)
             self.units = build_units(
                 self.layout.chunks, dtype, self.policy.shard_world, shard_rank, opt_group, target
             )

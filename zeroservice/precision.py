@@ -38,6 +38,17 @@ def check_param_dtypes(module: nn.Module, precision: str) -> None:
     )
 
 
+def cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s floating-point tensors (parameters and buffers) to ``dtype``,
+    as ``Module.bfloat16()`` and ``.half()`` do; nothing at fp32. ``module.to(dtype)``
+    would also cast complex buffers to a real dtype (a rotary embedding's
+    ``freqs_cis`` lost its imaginary part) and, at fp32, a float64 buffer to float32:
+    DDP, under autocast or not, keeps both as the model built them."""
+    if dtype == torch.float32:
+        return
+    module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

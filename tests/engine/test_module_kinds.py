@@ -1,7 +1,8 @@
 """Models built from torch's own layers train alike at every stage: recurrent layers
 (which keep their own list of weight tensors), attention and encoder layers, batch norm
 (buffers updated in forward), a weight-norm parametrization (weights computed from other
-parameters at every forward), and a lazy layer once materialised. Stages 1-3 give stage
+parameters at every forward), a lazy layer once materialised, and complex and float64
+buffers (kept as built, as DDP keeps them). Stages 1-3 give stage
 0's losses (rtol 1e-5); a lazy layer before its first forward is refused by name."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from zeroservice import ConfigError
 from zeroservice.activations import checkpointed_modules
 from zeroservice.construct import check_materialised, check_no_gradient_hooks
 from zeroservice.launch import run_local
+from zeroservice.precision import cast_floating
 
 STAGES = (0, 1, 2, 3)
 
@@ -52,6 +54,24 @@ class _ConvNorm(nn.Module):
         return torch.relu(self.norm(self.conv(x.transpose(1, 2)))).transpose(1, 2)
 
 
+class _Rotary(nn.Module):
+    """A rotary embedding kept as a complex buffer (Meta's Llama: ``freqs_cis``) beside a
+    float64 one: stage 3 cast both to float32, losing the rotation's imaginary part."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        angle = torch.outer(torch.arange(5.0), 1.0 / 10000 ** (torch.arange(8.0) / 8))
+        freqs = torch.polar(torch.ones_like(angle), angle)
+        self.register_buffer("freqs_cis", freqs, persistent=False)
+        self.register_buffer("offset", torch.tensor([123456.789012345], dtype=torch.float64))
+
+    def forward(self, x):
+        rotated = torch.view_as_complex(self.inp(x).reshape(*x.shape[:-1], 8, 2)) * self.freqs_cis
+        shift = (self.offset - 123456.789012345).float()  # 0 in float64, not in float32
+        return torch.tanh(torch.view_as_real(rotated).flatten(-2)) + shift
+
+
 def _lazy() -> nn.Module:
     model = _Head(nn.Sequential(nn.LazyLinear(8), nn.Tanh()), 8)
     model(torch.zeros(1, 5, 8))  # materialised by a first forward
@@ -68,6 +88,7 @@ MODELS = {
     "conv-batchnorm": lambda: _Head(_ConvNorm(), 8),
     "weight-norm": lambda: _Head(parametrizations.weight_norm(nn.Linear(8, 8)), 8),
     "lazy": _lazy,
+    "complex-buffer": lambda: _Head(_Rotary(), 16),
 }
 
 
@@ -103,6 +124,17 @@ def test_every_stage_trains_torch_layers_as_stage_0(kind):
         for stage in STAGES[1:]:
             got = torch.tensor(per_rank[(kind, stage)])
             torch.testing.assert_close(got, reference, rtol=1e-5, atol=0)
+
+
+def test_a_training_dtype_casts_floating_tensors_and_leaves_the_others():
+    """As ``Module.bfloat16()``: ``module.to`` would make a complex buffer real."""
+    model = _Rotary()
+    model.register_buffer("count", torch.zeros(2, dtype=torch.int64))
+    cast_floating(model, torch.float32)
+    assert (model.freqs_cis.dtype, model.offset.dtype) == (torch.complex64, torch.float64)
+    cast_floating(model, torch.bfloat16)
+    assert model.inp.weight.dtype == model.offset.dtype == torch.bfloat16
+    assert (model.freqs_cis.dtype, model.count.dtype) == (torch.complex64, torch.int64)
 
 
 def test_a_lazy_layer_before_its_first_forward_is_refused_by_name():
