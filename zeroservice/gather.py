@@ -34,6 +34,7 @@ within the node from secondary shards (hpZ): see [Note: ZeRO++ collectives] in z
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -76,6 +77,28 @@ class _Live:
     pending: comm.Pending | None
     version: int = -1
     """The buffer's autograd version once gathered: an in-place write changes it."""
+
+
+def _outside_inference_mode(method: Callable) -> Callable:
+    """Run a forward hook of the gatherer outside ``torch.inference_mode``.
+
+    [Note: inference mode]
+    A forward under ``torch.inference_mode()`` (an evaluation between steps) makes every
+    tensor it allocates an inference tensor, which has no version counter and can never
+    enter a graph. The gatherer's buffers outlive that forward (the cache, the units
+    that stay gathered), and it reads their versions: they failed there ("Inference
+    tensors do not track version counter"), and kept, they would fail the next training
+    forward. Its hooks therefore allocate and gather as normal tensors, with gradients
+    still off; the model's own computation stays in inference mode."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+
+    return run
 
 
 class ParamGatherer:
@@ -208,6 +231,7 @@ class ParamGatherer:
             )
 
     # -- what modules see ---------------------------------------------------------
+    @_outside_inference_mode
     def param(self, module: nn.Module, name: str) -> torch.Tensor:
         """The value of ``module.<name>``: the gathered view, gathered on demand in forward."""
         index, slot = self._access.slots[(id(module), name)]
@@ -232,6 +256,7 @@ class ParamGatherer:
         return self.units[index].views_of(self._buffer(index))
 
     # -- forward windows ------------------------------------------------------------
+    @_outside_inference_mode
     def pre_forward(self, indices: list[int], is_root: bool, module, args) -> None:
         """A group's forward begins: gather its units into a new window."""
         if is_root and not self._windows:
@@ -263,6 +288,7 @@ class ParamGatherer:
             and isinstance(args[0], torch.Tensor)
         )
 
+    @_outside_inference_mode
     def _leaf_called(self, leaf: int, module, args, kwargs):
         """A leaf module's forward begins: one that builds a graph waits for its inputs'
         gradients to launch the leaf's reductions (see [Note: leaf modules])."""
@@ -283,6 +309,7 @@ class ParamGatherer:
         if self.after_unit_backward is not None:
             self.after_unit_backward()
 
+    @_outside_inference_mode
     def _enter(self, root_indices: list[int], module, args) -> None:
         """A container's forward begins: called directly (no window open, not a
         recomputation), it opens the root's window as the root's own forward would.
@@ -300,6 +327,7 @@ class ParamGatherer:
         if opened:
             self.pre_forward(root_indices, True, module, args)
 
+    @_outside_inference_mode
     def _leave(self, module, args, output) -> None:
         if self._entered.pop():
             self.post_forward(True, module, args, output)
@@ -313,6 +341,7 @@ class ParamGatherer:
         finally:
             self._recomputing -= 1
 
+    @_outside_inference_mode
     def post_forward(self, is_root: bool, module, args, output) -> None:
         """A group's forward ends: release its window (the root's: everything)."""
         for index in self._windows.pop():

@@ -60,10 +60,11 @@ def batchnorm_vs_ddp(cases: list[tuple[int, int]], steps: int = 4) -> dict:
     return {(stage, accum): _batchnorm_at(stage, accum, steps) for stage, accum in cases}
 
 
-def _evaluate(model, x: torch.Tensor) -> float:
-    """A forward without a graph, in eval mode (running statistics are read)."""
+def _evaluate(model, x: torch.Tensor, step: int) -> float:
+    """A forward without a graph, in eval mode (running statistics are read): under
+    ``torch.no_grad()`` on even steps and ``torch.inference_mode()`` on odd ones."""
     model.module.eval()
-    with torch.no_grad():
+    with torch.no_grad() if step % 2 == 0 else torch.inference_mode():
         loss = model(x).item()
     model.module.train()
     return loss
@@ -102,8 +103,8 @@ def _batchnorm_at(stage: int, accum: int, steps: int) -> dict:
         buffers = {k: v.clone() for k, v in model.named_buffers()}
         ref_buffers = {k: v.clone() for k, v in ref.named_buffers()}
         x = _batch(1000 + step, rank)
-        evals.append(_evaluate(engine, x))
-        ref_evals.append(_evaluate(ddp, x))
+        evals.append(_evaluate(engine, x, step))
+        ref_evals.append(_evaluate(ddp, x, step))
     return {
         "losses": losses,
         "ref_losses": ref_losses,
