@@ -485,6 +485,7 @@ class Engine:
                 f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}); "
                 "call engine.step() after every backward"
             )
+        self._planned.check_flags("backward")
         if self._forward_writes is not None:
             self._forward_writes.check_before_backward()
         self._take_stray_gradients("backward")

@@ -24,7 +24,9 @@ optimizer never updates: the losses stop improving while every step reports succ
 So each training forward checks that every module still holds the parameter object it
 held at ``initialize``, in the same dtype and on the same device, and at stages 0-2
 still viewing the engine's buffer at the same place. A forward under
-``torch.no_grad()`` (an evaluation) is not checked.
+``torch.no_grad()`` (an evaluation) is not checked. The flags are checked again at each
+backward: flipped between a forward and its backward, they changed what autograd
+computed (stage 2 failed on an assertion, stage 3 stepped the weight DDP leaves alone).
 
 At stage 3 the modules compute with gathered copies, so a gradient hook on a
 parameter would never run. ``initialize`` refuses one (construct.py); one registered
@@ -80,7 +82,7 @@ class PlannedParameters:
                 f"be updated. {_HINT}"
             )
         self._check_kinds()
-        self._check_flags()
+        self.check_flags()
         if not self._fixed_storage:
             self._check_no_hooks()
 
@@ -113,7 +115,10 @@ class PlannedParameters:
                     f"updates. {_HINT}"
                 )
 
-    def _check_flags(self) -> None:
+    def check_flags(self, when: str = "forward") -> None:
+        """Raise if a parameter was (un)frozen: at each training forward, and at each
+        backward too, since a flag flipped between a forward and its backward changes
+        what autograd computes (a gradient skipped) after the forward's check."""
         flags = [p.requires_grad for p in self._params]
         if flags == self._flags:
             return
@@ -126,7 +131,7 @@ class PlannedParameters:
         if unfrozen:
             changed.append(f"unfrozen since: {some_names(unfrozen, 5)}")
         raise RuntimeError(
-            f"forward: requires_grad changed after initialize ({'; '.join(changed)}). "
+            f"{when}: requires_grad changed after initialize ({'; '.join(changed)}). "
             "The engine fixed at initialize which parameters train (gradient buffers, "
             "fp32 masters, optimizer state): it would go on stepping a parameter frozen "
             "since, and leave one unfrozen since as it was. Restore the flags, or save a "

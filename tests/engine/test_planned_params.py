@@ -107,6 +107,44 @@ def test_a_flag_flipped_after_initialize_is_refused_before_the_forward_runs():
         )
 
 
+def _flipped_before_backward() -> dict:
+    """The flag flipped between a forward and its backward: stage 2 failed on a bare
+    assertion and stage 3 stepped the weight DDP leaves alone."""
+    out = {}
+    for stage in STAGES:
+        engine = _engine(stage)
+        losses = [_train(engine, 0)]
+        x, y = _batch(1)
+        loss = F.cross_entropy(engine(x), y)
+        head = engine.module.head.weight
+        head.requires_grad_(False)
+        try:
+            engine.backward(loss)
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        head.requires_grad_(True)
+        engine.backward(loss)  # the same forward's graph, once the flag is back
+        engine.step()
+        losses += [mean_over_ranks(loss.item()), _train(engine, 2)]
+        engine.close()
+        plain = _engine(stage)
+        expected = [_train(plain, s) for s in (0, 1, 2)]
+        plain.close()
+        out[stage] = {"refused": refused, "losses": losses, "expected": expected}
+    return out
+
+
+def test_a_flag_flipped_between_forward_and_backward_is_refused_and_nothing_lost():
+    for stage, r in run_local(_flipped_before_backward, 2, timeout_s=300)[0].items():
+        assert r["refused"] is not None, stage
+        assert r["refused"].startswith("backward: requires_grad changed after initialize ("), r
+        assert "frozen since: head.weight" in r["refused"], r["refused"]
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(r["expected"]), rtol=1e-5, atol=0
+        )
+
+
 def _reload(root: str) -> dict:
     out = {}
     for stage in STAGES:
