@@ -15,15 +15,17 @@ state in a checkpoint, and the loader says so (checkpoint/load.py).
 
 [Note: parameters the engine holds]
 The engine holds the weights in its flat buffers: at stages 0-2 every parameter is a
-view of one, at stage 3 a placeholder the gatherer fills. Three things cut a parameter
+view of one, at stage 3 a placeholder the gatherer fills. Five things cut a parameter
 off from them without an error anywhere: a new ``nn.Parameter`` assigned to the module
 (``model.head.weight = nn.Parameter(...)``), a conversion of the module
 (``.bfloat16()``, ``.double()``, ``.to(device)``: torch gives each parameter a converted
-copy), and ``param.data = tensor``. The model would then compute with weights the
-optimizer never updates: the losses stop improving while every step reports success.
-So each training forward checks that every module still holds the parameter object it
-held at ``initialize``, in the same dtype and on the same device, and at stages 0-2
-still viewing the engine's buffer at the same place. A forward under
+copy), ``param.data = tensor``, a module replaced (``model.head = nn.Linear(...)``: the
+old one keeps the old parameters, which the optimizer goes on stepping), and a module
+or parameter added. The model would then compute with weights the optimizer never
+updates: the losses stop improving while every step reports success.
+So each training forward checks that every module still holds the children and the
+parameter objects it held at ``initialize``, in the same dtype and on the same device,
+and at stages 0-2 still viewing the engine's buffer at the same place. A forward under
 ``torch.no_grad()`` (an evaluation) is not checked. The flags are checked again at each
 backward: flipped between a forward and its backward, they changed what autograd
 computed (stage 2 failed on an assertion, stage 3 stepped the weight DDP leaves alone).
@@ -36,6 +38,8 @@ stages 0-2 went through whole at stage 3.
 """
 
 from __future__ import annotations
+
+import operator
 
 from torch import nn
 
@@ -68,9 +72,20 @@ class PlannedParameters:
         self._kinds = [(p.dtype, p.device) for p in self._params]
         self._fixed_storage = fixed_storage
         self._addresses = [p.data_ptr() for p in self._params] if fixed_storage else []
+        seen: set[int] = set()
+        self._tree = []
+        """Per module (once each): its children and the names of its parameter slots."""
+        for prefix, owner in module.named_modules(remove_duplicate=False):
+            if id(owner) not in seen:
+                seen.add(id(owner))
+                children = dict(owner._modules)
+                values = tuple(children.values())
+                self._tree.append((prefix, owner, children, values, tuple(owner._parameters)))
 
     def check(self) -> None:
-        """Raise if a parameter was replaced, converted, re-pointed or (un)frozen."""
+        """Raise if a parameter was replaced, converted, re-pointed or (un)frozen, or a
+        module replaced or added."""
+        self._check_tree()
         replaced = [
             name for owner, attr, p, name in self._slots if owner._parameters.get(attr) is not p
         ]
@@ -85,6 +100,34 @@ class PlannedParameters:
         self.check_flags()
         if not self._fixed_storage:
             self._check_no_hooks()
+
+    def _check_tree(self) -> None:
+        """A module replaced (``model.head = nn.Linear(...)``) keeps its old parameters
+        in the old module, where the slot check still finds them: the new module's
+        weights would never be updated, the old ones stepped on zero gradients. A
+        module or parameter added would never be updated either."""
+        changed = []
+        for prefix, owner, was, values, slots in self._tree:
+            now = owner._modules
+            if len(now) != len(values) or any(map(operator.is_not, now.values(), values)):
+                changed += [
+                    f"{prefix}.{k}" if prefix else k
+                    for k in sorted(set(was) | set(now))
+                    if now.get(k) is not was.get(k)
+                ]
+            if len(owner._parameters) != len(slots):
+                changed += [
+                    f"{prefix}.{k}" if prefix else k
+                    for k in set(slots).symmetric_difference(owner._parameters)
+                ]
+        if changed:
+            raise RuntimeError(
+                f"forward: {some_names(sorted(set(changed)), 5)} replaced or added after "
+                "initialize (a module assigned, a module or parameter registered): the "
+                "engine trains the parameters it was given, so the new weights would never "
+                f"be updated and the old ones would go on being stepped. {_HINT}; to change "
+                "the model, save a checkpoint and build a new engine over the changed model"
+            )
 
     def _check_kinds(self) -> None:
         kinds = [(p.dtype, p.device) for p in self._params]

@@ -31,10 +31,16 @@ def check_param_dtypes(module: nn.Module, precision: str) -> None:
     train = _name(DTYPES[precision])
     accepted = "float32" if train == "float32" else f"float32 or {train}"
     masters = "" if train == "float32" else " with float32 masters"
+    floating = all(d.is_floating_point for _, d in odd)
+    fix = (
+        "convert the model first (e.g. model.float())"
+        if floating
+        else "keep integer, boolean or complex tensors as buffers (register_buffer), "
+        "not parameters, and convert floating ones first (e.g. model.float())"
+    )
     raise ConfigError(
         f"model: parameters {shown} are not {accepted}: precision {precision!r} "
-        f"trains every parameter in {train}{masters}; convert the model first "
-        "(e.g. model.float())"
+        f"trains every parameter in {train}{masters}; {fix}"
     )
 
 

@@ -9,7 +9,8 @@ trainable now.
 
 A parameter cut off from the engine's buffers ([Note: parameters the engine holds]): a
 module converted after initialize (``.bfloat16()``, ``.double()``), a new
-``nn.Parameter`` assigned, ``param.data`` re-pointed. Each used to train on with weights
+``nn.Parameter`` assigned, ``param.data`` re-pointed, a module replaced (a new head) or
+a module or parameter added. Each used to train on with weights
 the optimizer never updated (stages 0-2: the losses stopped improving, every step
 reported success); each is refused by name before the forward runs, and the engine
 trains on once the module is put back.
@@ -220,6 +221,12 @@ def _cut_off(how: str, stage: int) -> dict:
         engine.module.double()
     elif how == "replaced":
         head.weight = nn.Parameter(weight.detach().clone())
+    elif how == "module replaced":  # a new head: the old one would be stepped instead
+        engine.module.head = nn.Linear(16, 4)
+    elif how == "module added":
+        engine.module.body.append(nn.Linear(16, 16))
+    elif how == "parameter added":
+        engine.module.temperature = nn.Parameter(torch.ones(()))
     else:  # re-pointed
         weight.data = weight.detach().clone()
     try:
@@ -233,6 +240,12 @@ def _cut_off(how: str, stage: int) -> dict:
     if how != "converted":  # put back as initialize left it, the engine trains on
         if how == "replaced":
             head.weight = weight
+        elif how == "module replaced":
+            engine.module.head = head
+        elif how == "module added":
+            del engine.module.body[-1]
+        elif how == "parameter added":
+            del engine.module.temperature
         else:
             weight.data = data
         restored = _train(engine, 1)
@@ -245,6 +258,7 @@ def _cut_offs() -> dict:
         (how, stage): _cut_off(how, stage)
         for stage in STAGES
         for how in ("converted", "replaced", "re-pointed")
+        + ("module replaced", "module added", "parameter added")
         if not (how == "re-pointed" and stage == 3)  # stage 3 re-points them itself
     }
 
@@ -255,6 +269,9 @@ def test_a_parameter_cut_off_from_the_engine_is_refused_before_the_forward_runs(
         "converted": "torch.float64 on cpu, was torch.float32 on cpu",
         "replaced": "head.weight replaced after initialize by another parameter",
         "re-pointed": "head.weight no longer view the engine's buffers",
+        "module replaced": "forward: head replaced or added after initialize",
+        "module added": "forward: body.4 replaced or added after initialize",
+        "parameter added": "forward: temperature replaced or added after initialize",
     }
     for (how, stage), r in out.items():
         assert r["refused"] is not None, (how, stage)

@@ -166,6 +166,15 @@ def test_other_parameter_dtypes_are_refused_by_name(precision, dtype, message):
         check_param_dtypes(_Mixed(dtype, 3), precision)
 
 
+def test_an_integer_parameter_is_told_to_be_a_buffer():
+    model = _Mixed(torch.float32, 0)
+    model.steps = torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ConfigError, match=r"steps \(int64\) are not float32: .* keep integer"):
+        check_param_dtypes(model, "fp32")
+    with pytest.raises(ConfigError, match=r"convert the model first \(e\.g\. model\.float\(\)\)$"):
+        check_param_dtypes(_Mixed(torch.float64, 1), "fp32")
+
+
 def _initialize_float64(stage: int) -> str:
     """In each rank: the error ``initialize`` raises for a model with float64 layers."""
     try:
