@@ -331,6 +331,11 @@ class Scheduler:
         usage = quota.active_usage(session)
         reserved = False
         for job in store.jobs_in(session, (JobState.QUEUED,)):
+            # A rollback below (a cancel that won) expires every job of this session:
+            # the next one is then read again, and a cancel committed since shows here,
+            # where its fresh version would pass the version check.
+            if job.status != JobState.QUEUED:
+                continue
             spec = self._stored_spec(session, job)
             if spec is None:
                 continue

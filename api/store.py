@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -30,12 +30,19 @@ class Conflict(Exception):
     """A name that must be unique is taken."""
 
 
+def _live():
+    """Tokens that authenticate now: neither revoked nor expired."""
+    return and_(
+        ApiToken.revoked_at.is_(None),
+        or_(ApiToken.expires_at.is_(None), ApiToken.expires_at > utcnow()),
+    )
+
+
 def authenticate(session: Session, token: str) -> Principal | None:
     row = session.execute(
         select(ApiToken, Tenant)
         .join(Tenant, Tenant.id == ApiToken.tenant_id)
-        .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
-        .where(or_(ApiToken.expires_at.is_(None), ApiToken.expires_at > utcnow()))
+        .where(ApiToken.token_hash == hash_token(token), _live())
     ).first()
     if row is None:
         return None
@@ -137,14 +144,14 @@ def revoke_token(session: Session, prefix: str, caller: Principal) -> int:
     """Revoke every live token starting with ``prefix`` (literally: ``%`` and ``_`` match
     only themselves); never the caller's own (it would lock the caller out
     mid-rotation): Conflict then."""
-    live = ApiToken.revoked_at.is_(None)
-    query = select(ApiToken).where(ApiToken.prefix.startswith(prefix, autoescape=True), live)
+    query = select(ApiToken).where(ApiToken.prefix.startswith(prefix, autoescape=True), _live())
     return _revoke(session, list(session.execute(query).scalars()), caller)
 
 
 def revoke_token_by_id(session: Session, token_id: int, caller: Principal) -> int:
-    """Revoke one live token by its id (as listed); 0 when no live token has it."""
-    query = select(ApiToken).where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+    """Revoke one live token by its id (as listed); 0 when no live token has it (an
+    expired one is not: it no longer authenticates)."""
+    query = select(ApiToken).where(ApiToken.id == token_id, _live())
     return _revoke(session, list(session.execute(query).scalars()), caller)
 
 
@@ -158,7 +165,7 @@ def _revoke(session: Session, rows: list[ApiToken], caller: Principal) -> int:
         return 0
     result = session.execute(  # an UPDATE: its result is a cursor's, with a rowcount
         update(ApiToken)
-        .where(ApiToken.id.in_([row.id for row in rows]), ApiToken.revoked_at.is_(None))
+        .where(ApiToken.id.in_([row.id for row in rows]), _live())
         .values(revoked_at=utcnow())
         .execution_options(synchronize_session=False)
     )

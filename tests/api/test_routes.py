@@ -299,6 +299,36 @@ def test_a_tenant_held_below_priority_0_submits_without_naming_one(harness):
     assert c.post("/v1/jobs", json={"spec": TINY}, headers=other).json()["priority"] == 0
 
 
+def test_cancels_during_an_admission_tick_are_kept(harness):
+    """Two queued jobs cancelled while a tick admits them: the first cancel made the
+    tick's write stale, its rollback re-read the second job as cancelled with a fresh
+    version, and the tick admitted and launched it over its confirmed cancel."""
+    c, fake = harness.client, harness.backend
+    h = harness.headers(harness.tenant_token("alice"))
+    ids = [
+        c.post("/v1/jobs", json={"spec": {**TINY, "name": f"j{i}"}}, headers=h).json()["id"]
+        for i in range(2)
+    ]
+    answers = []
+    fits = fake.fits
+
+    def cancel_both_then_fit(spec):
+        if not answers:  # between the tick's read of the queue and its write
+            answers.extend(c.post(f"/v1/jobs/{j}/cancel", headers=h).json() for j in ids)
+        return fits(spec)
+
+    fake.fits = cancel_both_then_fit
+    harness.tick()
+    fake.fits = fits
+    harness.tick()
+    assert [a["status"] for a in answers] == ["cancelled", "cancelled"]
+    for job in ids:
+        assert c.get(f"/v1/jobs/{job}", headers=h).json()["status"] == "cancelled"
+        events = [e["reason"] for e in c.get(f"/v1/jobs/{job}/events", headers=h).json()]
+        assert "admitted" not in events, events
+    assert fake.launched == []
+
+
 def test_autoscaler_request_is_bounded_by_the_cluster_maximum(harness):
     fake = harness.backend
     fake.total["CPU"] = 0.0

@@ -45,6 +45,12 @@ def test_tokens_expire(harness):
         s.commit()
     assert not _works(harness, made["token"])
     assert _works(harness, default["token"])
+    # Expired, it is no longer live: revoking it finds nothing (404), as documented.
+    admin = harness.headers(harness.admin)
+    assert harness.client.delete(f"/v1/tokens/{made['id']}", headers=admin).status_code == 404
+    by_prefix = {"prefix": made["token"][:10]}
+    revoked = harness.client.post("/v1/tokens/revoke", json=by_prefix, headers=admin)
+    assert revoked.status_code == 404, revoked.text
     r = harness.client.post(
         "/v1/tokens",
         json={"tenant": "alice", "expires_in_days": 0},
