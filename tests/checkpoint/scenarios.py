@@ -461,3 +461,34 @@ def resave_on_a_full_disk(spec: Spec, root: str) -> dict:
         "loaded": loaded,
         "after_retry": sorted(p.name for p in step.iterdir()),
     }
+
+
+class EmptyTensors(torch.nn.Module):
+    """A parameter and a persistent buffer of no elements (no extra tokens, a rank-0
+    adapter) beside ordinary weights: a save writes no segment for them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 8))
+        self.register_buffer("none_yet", torch.zeros(0, dtype=torch.int64))
+        self.lin = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lin(self.emb(x) + self.empty.sum())
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), x.reshape(-1))
+
+
+def save_empty_tensors(root: str) -> dict[str, torch.Tensor]:
+    """Stage 3, one step, saved under ``root``; the engine's whole state dict."""
+    torch.manual_seed(0)
+    engine = zeroservice_initialize(
+        EmptyTensors(), {"stage": 3}, lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+    )
+    x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(x))
+    engine.step()
+    engine.save_checkpoint(root)
+    state = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    return state

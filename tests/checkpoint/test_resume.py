@@ -84,6 +84,26 @@ def test_export_loads_into_the_plain_model_and_matches_the_engine(tmp_path, save
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_a_tensor_of_no_elements_is_exported(tmp_path, fmt):
+    """It has no segment: the export refused the sound checkpoint ('no master data')."""
+    state = run_local(sc.save_empty_tensors, 2, str(tmp_path / "ckpt"))[0]
+    [step] = (tmp_path / "ckpt").iterdir()
+    out = export_checkpoint(step, tmp_path / f"model.{fmt}", fmt)
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        exported = load_file(out)
+    else:
+        exported = torch.load(out, weights_only=True)
+    sc.EmptyTensors().load_state_dict(exported)  # strict
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        assert exported[name].dtype == tensor.dtype, name
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)
+    assert dict(iter_tensors(step))["empty"].shape == (0, 8)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
 def test_export_under_a_prefix_writes_those_names_without_it(tmp_path, saved_at_4, fmt):
     """A sub-module's own state dict (what a wrapped model's export needs); a prefix no
     name has is refused by name, with nothing written."""

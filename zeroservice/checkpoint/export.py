@@ -52,14 +52,24 @@ def iter_tensors(directory: Where, kind: str = "master") -> Iterator[tuple[str, 
     try:
         for p in manifest["params"]:
             segs = sorted(by_key.get((p["name"], kind), []), key=lambda s: s["start"])
-            yield p["name"], _assemble(reader, segs, p["numel"], p["name"], kind).view(p["shape"])
+            whole = _assemble(reader, segs, p["numel"], p["name"], kind, "float32")
+            yield p["name"], whole.view(p["shape"])
     finally:
         reader.close()
 
 
 def _assemble(
-    reader: SegmentReader, segs: list[dict[str, Any]], numel: int, name: str, kind: str
+    reader: SegmentReader,
+    segs: list[dict[str, Any]],
+    numel: int,
+    name: str,
+    kind: str,
+    dtype: str,
 ) -> torch.Tensor:
+    """One tensor whole from its segments; ``dtype``: its own where it has none (a
+    tensor of no elements, whose save wrote no segment)."""
+    if not segs and numel == 0:
+        return torch.empty(0, dtype=dtype_of(dtype))
     if not segs:
         raise CheckpointError(f"{reader.directory}: no {kind} data for {name}")
     out = torch.empty(numel, dtype=dtype_of(segs[0]["dtype"]))
@@ -98,7 +108,9 @@ class _Slice:
     def tensor(self, entry: dict[str, Any], kind: str) -> torch.Tensor:
         name = entry["name"]
         segs = sorted(self.segments.get((name, kind), []), key=lambda s: s["start"])
-        return _assemble(self.reader, segs, entry["numel"], name, kind).view(entry["shape"])
+        dtype = entry.get("dtype", "float32")  # a buffer's own; masters and states: fp32
+        whole = _assemble(self.reader, segs, entry["numel"], name, kind, dtype)
+        return whole.view(entry["shape"])
 
 
 def _mp_slices(
