@@ -30,12 +30,3 @@ class Principal:
     tenant: str
     admin: bool
     token_id: int
-
-
-def bearer(header: str | None) -> str | None:
-    if not header:
-        return None
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() != "bearer" or not value.strip():
-        return None
-    return value.strip()

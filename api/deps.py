@@ -10,10 +10,11 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi import Path as PathParam
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from . import store
-from .auth import Principal, bearer
+from .auth import Principal
 from .db import Job
 from .service import Service
 
@@ -33,9 +34,23 @@ def get_session(service: ServiceDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def get_principal(request: Request, service: ServiceDep, db: SessionDep) -> Principal:
+def get_bearer(
+    credentials: Annotated[
+        HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))
+    ],
+) -> str | None:
+    """The request's bearer token (None: no ``Authorization: Bearer`` header). Read
+    through FastAPI's ``HTTPBearer``, so the OpenAPI schema declares the scheme."""
+    if credentials is None:
+        return None
+    return credentials.credentials.strip() or None
+
+
+BearerToken = Annotated[str | None, Depends(get_bearer)]
+
+
+def get_principal(service: ServiceDep, db: SessionDep, token: BearerToken) -> Principal:
     """The caller of a bearer token: 401 without a valid one, 429 over its rate."""
-    token = bearer(request.headers.get("authorization"))
     who = store.authenticate(db, token) if token else None
     if who is None:
         raise HTTPException(
@@ -64,14 +79,13 @@ def get_admin(who: CurrentPrincipal) -> Principal:
 AdminPrincipal = Annotated[Principal, Depends(get_admin)]
 
 
-def get_targets_reader(request: Request, service: ServiceDep, db: SessionDep) -> Principal | None:
+def get_targets_reader(service: ServiceDep, db: SessionDep, token: BearerToken) -> Principal | None:
     """The caller of the Prometheus discovery route: the read-only metrics token (None:
     it sees every job's targets and can call nothing else) or any caller."""
-    token = bearer(request.headers.get("authorization"))
     metrics = service.settings.metrics_token
     if token and metrics and hmac.compare_digest(token.encode(), metrics.encode()):
         return None
-    return get_principal(request, service, db)
+    return get_principal(service, db, token)
 
 
 TargetsReader = Annotated[Principal | None, Depends(get_targets_reader)]

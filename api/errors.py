@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger("zeroservice.api")
 RETRY_AFTER_S = 5
@@ -57,7 +59,29 @@ def _unavailable(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def _http(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's errors, as its own handler answers them, except that a 405 lists in
+    ``Allow`` every method the path takes: Starlette names those of the first route
+    whose path matched, and ``/v1/jobs`` (GET and POST) is two routes."""
+    assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        routes = request.app.router.routes
+        methods = [
+            method
+            for method in _METHODS
+            if any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in routes)
+        ]
+        if methods:
+            headers["Allow"] = ", ".join(methods)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+
+
 def install(app: FastAPI) -> None:
+    app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Rejected, _rejected)
     for kind in (Unavailable, OperationalError, InterfaceError, PoolTimeout):

@@ -10,9 +10,10 @@ from workers.state import ACTIVE
 
 from .. import store
 from ..deps import CurrentPrincipal, ServiceDep, SessionDep, TargetsReader
+from ..responses import AUTHENTICATED, errors
 from ..schemas import ClusterOut
 
-router = APIRouter(prefix="/v1", tags=["cluster"])
+router = APIRouter(prefix="/v1", tags=["cluster"], responses=errors(*AUTHENTICATED))
 
 
 @router.get("/cluster", response_model=ClusterOut)

@@ -8,8 +8,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from ..deps import ServiceDep, SessionDep
+from ..responses import ANY_REQUEST, errors
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], responses=errors(*ANY_REQUEST))
 
 
 @router.get("/healthz")
@@ -43,6 +44,10 @@ def readyz(service: ServiceDep, db: SessionDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if not problems else 503)
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
+)
 def metrics(service: ServiceDep) -> Response:
     return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

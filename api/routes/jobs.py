@@ -19,6 +19,7 @@ from ..confine import checkpoint_base
 from ..db import Job
 from ..deps import CurrentPrincipal, JobId, ServiceDep, SessionDep, job_or_404
 from ..errors import Rejected
+from ..responses import AUTHENTICATED, errors
 from ..schemas import (
     STATUSES,
     EventOut,
@@ -31,7 +32,7 @@ from ..schemas import (
 )
 from ..service import MAX_ID
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=errors(*AUTHENTICATED))
 Cursor = Annotated[int, Query(ge=0, le=MAX_ID)]
 MAX_HISTORY_PAGE = 1000
 """Most history points one metrics request returns."""
@@ -46,7 +47,15 @@ def _out(db: Session, job: Job, with_spec: bool = False) -> JobOut:
     return store.to_out(job, names.get(job.tenant_id, "?"), with_spec)
 
 
-@router.post("", status_code=201, response_model=JobOut)
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobOut,
+    responses={
+        200: {"model": JobOut, "description": "the job first submitted under this submission_id"},
+        **errors(409),
+    },
+)
 def submit(
     body: JobSubmit, service: ServiceDep, db: SessionDep, who: CurrentPrincipal, response: Response
 ) -> JobOut:
@@ -103,12 +112,12 @@ def list_jobs(
     )
 
 
-@router.get("/{job_id}", response_model=JobOut)
+@router.get("/{job_id}", response_model=JobOut, responses=errors(404))
 def get_job(job_id: JobId, db: SessionDep, who: CurrentPrincipal) -> JobOut:
     return _out(db, job_or_404(db, who, job_id), with_spec=True)
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut)
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=errors(404, 409))
 def cancel(job_id: JobId, service: ServiceDep, db: SessionDep, who: CurrentPrincipal) -> JobOut:
     """A queued job is cancelled here; a running one is asked to stop, and its status
     comes from its supervisor through the scheduler."""
@@ -130,7 +139,7 @@ def cancel(job_id: JobId, service: ServiceDep, db: SessionDep, who: CurrentPrinc
     return _out(db, job)
 
 
-@router.get("/{job_id}/events", response_model=list[EventOut])
+@router.get("/{job_id}/events", response_model=list[EventOut], responses=errors(404))
 def events(
     job_id: JobId,
     db: SessionDep,
@@ -145,7 +154,7 @@ def events(
     ]
 
 
-@router.get("/{job_id}/logs", response_model=list[LogLine])
+@router.get("/{job_id}/logs", response_model=list[LogLine], responses=errors(404))
 def logs(
     job_id: JobId,
     db: SessionDep,
@@ -157,7 +166,7 @@ def logs(
     return [LogLine(id=x.id, time=x.time, line=x.line) for x in store.logs(db, job, after, limit)]
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsOut)
+@router.get("/{job_id}/metrics", response_model=MetricsOut, responses=errors(404))
 def job_metrics(
     job_id: JobId,
     service: ServiceDep,

@@ -9,9 +9,10 @@ from fastapi import APIRouter
 from .. import quota
 from ..deps import CurrentPrincipal, ServiceDep, SessionDep
 from ..errors import Rejected
+from ..responses import AUTHENTICATED, errors
 from ..schemas import PlanRequest
 
-router = APIRouter(prefix="/v1/plan", tags=["plan"])
+router = APIRouter(prefix="/v1/plan", tags=["plan"], responses=errors(*AUTHENTICATED))
 
 
 @router.post("")

@@ -14,10 +14,11 @@ from .. import store
 from ..auth import Principal
 from ..db import ApiToken, utcnow
 from ..deps import AdminPrincipal, ServiceDep, SessionDep
+from ..responses import AUTHENTICATED, errors
 from ..schemas import TenantCreate, TenantLimits, TokenCreate, TokenInfo, TokenOut, TokenRevoke
 from ..service import MAX_ID
 
-router = APIRouter(prefix="/v1", tags=["admin"])
+router = APIRouter(prefix="/v1", tags=["admin"], responses=errors(*AUTHENTICATED, 403))
 
 
 def token_info(row: ApiToken, tenant: str) -> TokenInfo:
@@ -33,7 +34,7 @@ def token_info(row: ApiToken, tenant: str) -> TokenInfo:
     )
 
 
-@router.post("/tenants", status_code=201)
+@router.post("/tenants", status_code=201, responses=errors(409))
 def create_tenant(body: TenantCreate, db: SessionDep, who: AdminPrincipal) -> dict[str, Any]:
     try:
         tenant = store.create_tenant(db, body.name)
@@ -42,7 +43,7 @@ def create_tenant(body: TenantCreate, db: SessionDep, who: AdminPrincipal) -> di
     return {"id": tenant.id, "name": tenant.name}
 
 
-@router.put("/tenants/{name}/limits", response_model=TenantLimits)
+@router.put("/tenants/{name}/limits", response_model=TenantLimits, responses=errors(404))
 def set_limits(
     name: Annotated[str, PathParam(max_length=128)],
     body: TenantLimits,
@@ -56,7 +57,7 @@ def set_limits(
     return body
 
 
-@router.post("/tokens", status_code=201, response_model=TokenOut)
+@router.post("/tokens", status_code=201, response_model=TokenOut, responses=errors(404))
 def create_token(
     body: TokenCreate, service: ServiceDep, db: SessionDep, who: AdminPrincipal
 ) -> TokenOut:
@@ -78,14 +79,16 @@ def list_tokens(
     return [token_info(row, name) for row, name in store.list_tokens(db, tenant)]
 
 
-@router.delete("/tokens/{token_id}")
+# ``:int``: only a number is a token id, so DELETE /v1/tokens/revoke is a method the
+# revoke route does not allow (405), not a malformed id.
+@router.delete("/tokens/{token_id:int}", responses=errors(404, 409))
 def revoke_token_by_id(
     token_id: Annotated[int, PathParam(ge=1, le=MAX_ID)], db: SessionDep, who: AdminPrincipal
 ) -> dict[str, int]:
     return {"revoked": _revoked_or_404(store.revoke_token_by_id, token_id, db, who)}
 
 
-@router.post("/tokens/revoke")
+@router.post("/tokens/revoke", responses=errors(404, 409))
 def revoke_token(body: TokenRevoke, db: SessionDep, who: AdminPrincipal) -> dict[str, int]:
     return {"revoked": _revoked_or_404(store.revoke_token, body.prefix, db, who)}
 
