@@ -34,10 +34,9 @@ within the node from secondary shards (hpZ): see [Note: ZeRO++ collectives] in z
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 
 import torch
 from torch import nn
@@ -91,7 +90,7 @@ def _outside_inference_mode(method: Callable) -> Callable:
     forward. Its hooks therefore allocate and gather as normal tensors, with gradients
     still off; the model's own computation stays in inference mode."""
 
-    @functools.wraps(method)
+    @wraps(method)
     def run(*args, **kwargs):
         if not torch.is_inference_mode_enabled():
             return method(*args, **kwargs)
