@@ -111,6 +111,10 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
     submission_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    request_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """SHA-256 of the submission as parsed (spec and priority): a retry under the same
+    submission_id must carry the same request (see api/idempotency.py). None for jobs
+    stored before it was kept."""
     name: Mapped[str] = mapped_column(String(128))
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     priority: Mapped[int] = mapped_column(Integer, default=0)

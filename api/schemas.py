@@ -23,7 +23,8 @@ class JobSubmit(_Body):
     spec: JobSpec
     """The job (see docs/configuration.md, "Job spec")."""
     submission_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.\-:]+$")
-    """Chosen by the client: resubmitting the same id returns the first job (idempotent)."""
+    """Chosen by the client: resubmitting the same request under the same id returns the
+    first job (idempotent); a different request under it is refused (409)."""
     priority: int | None = Field(None, ge=-100, le=100)
     """Higher is admitted first; equal priorities in order of submission. Absent: 0, or
     the tenant's ceiling where that is below 0 (a default the tenant may not ask for

@@ -215,11 +215,13 @@ def submit(
     checkpoint_base: str,
     checkpoint_sub: str | None = None,
     events: list[dict[str, Any]] | None = None,
+    request_digest: str | None = None,
 ) -> Created:
     """Store a queued job, its checkpoints placed under ``checkpoint_base`` (see
     api/confine.py), with ``events`` (kind, reason, message, data) after "submitted";
     with a submission id already used by this tenant, the existing job instead (the
-    unique constraint decides under concurrency)."""
+    unique constraint decides under concurrency; the caller compares its
+    ``request_digest``, see api/idempotency.py)."""
     if submission_id is not None:
         found = by_submission(session, who.tenant_id, submission_id)
         if found is not None:
@@ -232,6 +234,7 @@ def submit(
         id=job_id,
         tenant_id=who.tenant_id,
         submission_id=submission_id,
+        request_digest=request_digest,
         name=name,
         spec=spec,
         priority=priority,

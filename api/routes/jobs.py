@@ -19,6 +19,7 @@ from ..confine import checkpoint_base
 from ..db import Job
 from ..deps import CurrentPrincipal, JobId, ServiceDep, SessionDep, job_or_404
 from ..errors import Rejected
+from ..idempotency import SubmissionIdReused, check_retry, request_digest
 from ..responses import AUTHENTICATED, errors
 from ..schemas import (
     STATUSES,
@@ -59,13 +60,13 @@ def _out(db: Session, job: Job, with_spec: bool = False) -> JobOut:
 def submit(
     body: JobSubmit, service: ServiceDep, db: SessionDep, who: CurrentPrincipal, response: Response
 ) -> JobOut:
+    digest = request_digest(body)
     if body.submission_id is not None:
         # A retry returns the first job before anything is checked again: its own
         # queued job fills the quota it would be measured against.
         found = store.by_submission(db, who.tenant_id, body.submission_id)
         if found is not None:
-            response.status_code = 200
-            return _out(db, found, with_spec=True)
+            return _retried(db, found, digest, response)
     spec, plan = service.confined_plan(body.spec, who.tenant, None, refuse=True)
     auto = plan.get("auto")
     try:
@@ -83,12 +84,23 @@ def submit(
             checkpoint_base(service.settings, who.tenant),
             spec.checkpoint.dir,
             events=[] if auto is None else [configured_event(auto)],
+            request_digest=digest,
         )
     except store.Conflict as exc:
         raise HTTPException(409, str(exc)) from None
-    if not created.created:
-        response.status_code = 200
+    if not created.created:  # the same submission_id stored meanwhile
+        return _retried(db, created.job, digest, response)
     return _out(db, created.job, with_spec=True)
+
+
+def _retried(db: Session, job: Job, digest: str, response: Response) -> JobOut:
+    """The answer to a retry: the first job (200), or 409 where the request differs."""
+    try:
+        check_retry(job, digest)
+    except SubmissionIdReused as exc:
+        raise HTTPException(409, str(exc)) from None
+    response.status_code = 200
+    return _out(db, job, with_spec=True)
 
 
 @router.get("", response_model=JobList)

@@ -232,6 +232,61 @@ def test_submission_id_makes_submission_idempotent_under_a_burst(harness):
     assert harness.client.post("/v1/jobs", json=body, headers=h2).status_code == 201
 
 
+def test_a_submission_id_reused_for_another_request_is_refused(harness):
+    """The same id with a different spec or priority is the client's mistake: 409 names
+    the first job and nothing is stored. Defaults spelled out are the same request."""
+    c, h = harness.client, harness.headers(harness.tenant_token("alice"))
+    body = {"spec": TINY, "submission_id": "run-9"}
+    first = c.post("/v1/jobs", json=body, headers=h)
+    assert first.status_code == 201, first.text
+    first_id = first.json()["id"]
+    for other in (
+        {**body, "spec": {**TINY, "steps": 11}},
+        {**body, "spec": {**TINY, "engine": {"stage": 2}}},
+        {**body, "priority": 0},
+    ):
+        r = c.post("/v1/jobs", json=other, headers=h)
+        assert r.status_code == 409, r.text
+        assert "run-9" in r.json()["detail"] and first_id in r.json()["detail"]
+    spelled_out = {**TINY, "checkpoint": first.json()["spec"]["checkpoint"]}
+    again = c.post("/v1/jobs", json={**body, "spec": spelled_out}, headers=h)
+    assert again.status_code == 200 and again.json()["id"] == first_id, again.text
+    assert _jobs_stored(harness) == 1
+
+
+def test_a_burst_of_two_requests_under_one_submission_id_stores_one(database_url, tmp_path):
+    """Twelve submissions at once through a real server, half of them another request
+    under the same id: one is stored, its own retries answer 200 and the others 409,
+    whichever request came first, on SQLite and PostgreSQL alike."""
+    harness = Harness(database_url, tmp_path / "data", rate_per_s=1e9, rate_burst=10**9)
+    h = harness.headers(harness.tenant_token("alice"))
+    bodies = [{"spec": {**TINY, "steps": 10 + i % 2}, "submission_id": "run-43"} for i in range(12)]
+    try:
+        with serve(harness) as url, ThreadPoolExecutor(12) as pool:
+            post = partial(httpx.post, f"{url}/v1/jobs", headers=h, timeout=60)
+            codes = list(pool.map(lambda b: post(json=b).status_code, bodies))
+        answers = [(b["spec"]["steps"], code) for b, code in zip(bodies, codes, strict=True)]
+        assert _jobs_stored(harness) == 1
+        (stored,) = (steps for steps, code in answers if code == 201)
+        assert sorted(code for steps, code in answers if steps == stored) == [200] * 5 + [201]
+        assert [code for steps, code in answers if steps != stored] == [409] * 6
+    finally:
+        harness.client.close()
+        harness.service.engine.dispose()
+
+
+def test_a_job_stored_without_a_request_digest_answers_every_retry(harness):
+    """Jobs stored before the digest was kept (migration 0006) keep the old answer."""
+    c, h = harness.client, harness.headers(harness.tenant_token("alice"))
+    body = {"spec": TINY, "submission_id": "run-10"}
+    first = c.post("/v1/jobs", json=body, headers=h).json()
+    with harness.service.sessions() as s:
+        s.get(Job, first["id"]).request_digest = None
+        s.commit()
+    again = c.post("/v1/jobs", json={**body, "spec": {**TINY, "steps": 12}}, headers=h)
+    assert again.status_code == 200 and again.json()["id"] == first["id"], again.text
+
+
 def test_list_filters_and_paginates(harness):
     h = harness.headers(harness.tenant_token("alice"))
     for i in range(5):
