@@ -125,7 +125,7 @@ def _corrupt(directory, how: str) -> str:
             "int master": "is int32 in the manifest; masters and optimizer states are",
         }[how]
     elif how == "scalar":
-        m["optimizer"]["scalars"]["step"]["value"] = "x"
+        m["optimizer"]["scalars"][0]["step"]["value"] = "x"
         said = "malformed manifest (TypeError"
     elif how == "rng":
         m["rng"][0]["torch"] = "AAAA"

@@ -6,7 +6,10 @@ Which state keys a checkpoint saves per element was read from the first master a
 - param groups that keep different state (SGD's momentum on the weights only, amsgrad
   on one group) lost the other groups' state without a word, or failed the save;
 - a shard holding only padding (a 4-element bias in a group of its own at N_d = 3)
-  read no segment, so its optimizer found a step without moments (`KeyError: 'exp_avg'`).
+  read no segment, so its optimizer found a step without moments (`KeyError: 'exp_avg'`);
+- scalar states that follow a group's hyperparameters (ASGD's `eta` its lr, NAdam's
+  `mu_product` its betas) were saved once for every group, and each group resumed with
+  the first group's.
 Each now resumes to the losses of the same run uninterrupted.
 """
 
@@ -48,6 +51,13 @@ def _groups(kind: str):
             return torch.optim.AdamW(
                 [{"params": weights}, {"params": others, "weight_decay": 0.0}], lr=1e-2
             )
+        if kind == "asgd":  # eta follows each group's lr
+            return torch.optim.ASGD(
+                [{"params": weights}, {"params": others, "lr": 3e-3}], lr=1e-2, t0=1
+            )
+        if kind == "nadam":  # mu_product follows each group's betas and momentum decay
+            slower = {"betas": (0.5, 0.99), "momentum_decay": 0.02}
+            return torch.optim.NAdam([{"params": weights}, {"params": others, **slower}], lr=1e-2)
         if kind == "amsgrad":
             return torch.optim.Adam(
                 [{"params": weights, "amsgrad": True}, {"params": others}], lr=1e-2
@@ -105,6 +115,9 @@ CASES = [
     ("amsgrad", 2),
     ("sgd-weights", 2),
     ("sgd-others", 3),
+    ("asgd", 0),
+    ("asgd", 2),
+    ("nadam", 3),
 ]
 
 
@@ -136,3 +149,32 @@ def test_a_load_leaves_no_optimizer_state_the_checkpoint_lacks(tmp_path, stage):
     out = run_local(functools.partial(_back_to_the_start, str(tmp_path), stage), 2)[0]
     assert out["kept"] == []
     assert out["after_load"] == out["fresh"]
+
+
+def _restores_from_peers(kind: str, stage: int) -> dict:
+    """The same through the peers' host copies (redundancy="host-copy"), which carry
+    the manifest a disk save writes."""
+    config = {"stage": stage, "redundancy": "host-copy"}
+
+    def engine() -> zeroservice.Engine:
+        torch.manual_seed(0)
+        return zeroservice.initialize(_Scaled(), config, _groups(kind))
+
+    straight = engine()
+    expected = _train(straight, range(5))
+    straight.close()
+    first = engine()
+    _train(first, range(3))
+    copies = first.peer_snapshots()
+    first.close()
+    restored = engine()
+    restored.restore_from_peers(copies)
+    out = {"expected": expected[3:], "restored": _train(restored, range(3, 5))}
+    restored.close()
+    return out
+
+
+@pytest.mark.parametrize("kind,stage", [("nadam", 1), ("asgd", 3)])
+def test_scalars_of_every_group_are_restored_from_peers(kind, stage):
+    r = run_local(functools.partial(_restores_from_peers, kind, stage), 2)[0]
+    assert r["restored"] == r["expected"]

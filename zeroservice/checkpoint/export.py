@@ -285,6 +285,19 @@ def _write_safetensors(path: Path, entries: list[_Entry], tensor, manifest: dict
         os.fsync(f.fileno())
 
 
+def _scalars(saved: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """The scalar optimizer states: once where every group has the same (or the
+    checkpoint kept one set, before they were kept per group), else group by group."""
+    groups = [saved] if isinstance(saved, dict) else saved
+
+    def one(specs: dict[str, Any]) -> str:
+        return ", ".join(f"{k}={v['value']}" for k, v in specs.items()) or "-"
+
+    if all(g == groups[0] for g in groups[1:]):
+        return one(groups[0]) if groups else "-"
+    return "; ".join(f"group {i}: {one(g)}" for i, g in enumerate(groups))
+
+
 def describe(directory: Where, verify: bool = False) -> str:
     """The manifest in readable form; ``verify`` also reads every byte and checks it."""
     directory = location(directory)
@@ -297,8 +310,7 @@ def describe(directory: Where, verify: bool = False) -> str:
         f"  ZeRO stage {m['stage']}, {m['precision']}, world {m['world_size']} "
         f"(dp {m['dp']} x mp {m['mp']})",
         f"  {len(m['params'])} parameters, {m['psi']:,} elements; kinds: {', '.join(m['kinds'])}",
-        f"  optimizer {m['optimizer']['class']}, scalars "
-        + (", ".join(f"{k}={v['value']}" for k, v in m["optimizer"]["scalars"].items()) or "-"),
+        f"  optimizer {m['optimizer']['class']}, scalars {_scalars(m['optimizer']['scalars'])}",
         f"  loss scaler: {m['engine'].get('loss_scaler') or '-'}",
         f"  client state: {json.dumps(m.get('client_state', {}))}",
         f"  files ({total / 2**20:.2f} MiB):",

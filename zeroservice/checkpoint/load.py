@@ -378,18 +378,34 @@ class _Prepared:
     """What a load sets beside the tensors, decoded and checked before anything is
     written: a malformed scalar or random state fails the load, not half of it."""
 
-    scalars: dict[str, Any]
+    scalars: list[dict[str, Any]]
+    """Each param group's scalar optimizer states (``step``, ASGD's ``eta``)."""
     rng: Callable[[], None] | None
 
 
-def _prepare(state: ShardedState, manifest: dict[str, Any], source: object = "") -> _Prepared:
+def _decode_scalars(specs: dict[str, Any]) -> dict[str, Any]:
     scalars: dict[str, Any] = {}
-    for key, spec in manifest.get("optimizer", {}).get("scalars", {}).items():
+    for key, spec in specs.items():
         if "dtype" in spec:
             value = torch.tensor(spec["value"], dtype=dtype_of(spec["dtype"]))
             scalars[key] = value.reshape(spec["shape"])
         else:
             scalars[key] = spec["value"]
+    return scalars
+
+
+def _prepare(state: ShardedState, manifest: dict[str, Any], source: object = "") -> _Prepared:
+    saved_scalars = manifest.get("optimizer", {}).get("scalars", {})
+    groups = len(state.optimizer.param_groups)
+    if isinstance(saved_scalars, dict):  # saved before scalars were kept per group
+        scalars = [_decode_scalars(saved_scalars)] * groups
+    elif len(saved_scalars) == groups:
+        scalars = [_decode_scalars(specs) for specs in saved_scalars]
+    else:
+        raise CheckpointError(
+            f"{source}: the manifest holds scalar optimizer states for "
+            f"{len(saved_scalars)} param groups, this engine's optimizer has {groups}"
+        )
     rng = manifest.get("rng", [])
     saved = rng[state.rank] if state.rank < len(rng) else None
     try:
@@ -414,21 +430,23 @@ def _apply(
     if not zeroed:
         zero_masters(state)
     plan.run(reader, apply=state)
-    for master in state.masters:  # the trainable units' (frozen ones have none)
-        per_param = state.optimizer.state[master]
-        # A shard holding only padding read no segment: its state is still whole
-        # (zeros, as the padding's moments are), or the optimizer would find its step
-        # without its moments.
-        for kind in plan.kinds:
-            if kind != "master" and kind not in per_param:
-                per_param[kind] = torch.zeros_like(master.detach())
-        for key in [k for k, v in per_param.items() if v is not None]:
-            if key not in plan.kinds and key not in prepared.scalars:
-                del per_param[key]  # this engine's own state the checkpoint does not have
-        for key, value in prepared.scalars.items():
-            # A tensor of its own per master: optimizers step it in place (Adam's step).
-            tensor = isinstance(value, torch.Tensor)
-            per_param[key] = value.to(master.device, copy=True) if tensor else value
+    # The trainable units' masters (frozen ones have none), group by group.
+    for group, scalars in zip(state.optimizer.param_groups, prepared.scalars, strict=True):
+        for master in group["params"]:
+            per_param = state.optimizer.state[master]
+            # A shard holding only padding read no segment: its state is still whole
+            # (zeros, as the padding's moments are), or the optimizer would find its
+            # step without its moments.
+            for kind in plan.kinds:
+                if kind != "master" and kind not in per_param:
+                    per_param[kind] = torch.zeros_like(master.detach())
+            for key in [k for k, v in per_param.items() if v is not None]:
+                if key not in plan.kinds and key not in scalars:
+                    del per_param[key]  # this engine's own state the checkpoint lacks
+            for key, value in scalars.items():
+                # A tensor of its own per master: optimizers step it in place (Adam's).
+                tensor = isinstance(value, torch.Tensor)
+                per_param[key] = value.to(master.device, copy=True) if tensor else value
     if prepared.rng is not None:
         prepared.rng()
 

@@ -66,33 +66,43 @@ from .state import ShardedState
 from .storage import Location, Storage, Where, location, storage_for
 
 
-def per_element_kinds(state: ShardedState) -> tuple[list[str], dict[str, Any]]:
-    """Optimizer state keys that are shard-sized (saved per element), and the scalars.
+def per_element_kinds(state: ShardedState) -> tuple[list[str], list[dict[str, Any]]]:
+    """Optimizer state keys that are shard-sized (saved per element), and each param
+    group's scalars.
 
     Read over every master, not the first alone: param groups may keep different state
     (SGD's momentum on the weights' group only, amsgrad on one group), and a key one
     group lacks would be dropped, or the save fail on it. A key is per element when its
     tensor has the master's shape, so a one-element shard's moments stay per element
     (a 0-dim ``step`` is a scalar). A master without a key saves zeros for it
-    (``_state_tensor``), which the optimizers read only in the groups that keep it."""
+    (``_state_tensor``), which the optimizers read only in the groups that keep it.
+
+    Scalars are kept per group: some follow the group's hyperparameters (ASGD's ``eta``
+    its lr, NAdam's ``mu_product`` its betas and momentum decay), and one value for
+    every group resumed each group but one from another's. Within a group every master
+    steps together, so its first master's values are the group's."""
     kinds: list[str] = []
-    scalars: dict[str, Any] = {}
-    for master in state.masters:
-        for key, value in state.optimizer.state.get(master, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
-                if key not in kinds:
-                    kinds.append(key)
-            elif key in scalars or value is None:
-                continue
-            elif isinstance(value, torch.Tensor):
-                scalars[key] = {
-                    "value": value.item(),
-                    "dtype": str(value.dtype).removeprefix("torch."),
-                    "shape": list(value.shape),
-                }
-            else:
-                scalars[key] = {"value": value}
-    return kinds, {k: v for k, v in scalars.items() if k not in kinds}
+    scalars: list[dict[str, Any]] = []
+    for group in state.optimizer.param_groups:
+        found: dict[str, Any] = {}
+        for master in group["params"]:
+            for key, value in state.optimizer.state.get(master, {}).items():
+                per_element = isinstance(value, torch.Tensor) and value.dim() > 0
+                if per_element and value.shape == master.shape:
+                    if key not in kinds:
+                        kinds.append(key)
+                elif key in found or value is None:
+                    continue
+                elif isinstance(value, torch.Tensor):
+                    found[key] = {
+                        "value": value.item(),
+                        "dtype": str(value.dtype).removeprefix("torch."),
+                        "shape": list(value.shape),
+                    }
+                else:
+                    found[key] = {"value": value}
+        scalars.append(found)
+    return kinds, [{k: v for k, v in found.items() if k not in kinds} for found in scalars]
 
 
 def _state_tensor(state: ShardedState, unit_index: int, kind: str) -> torch.Tensor:
