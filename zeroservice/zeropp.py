@@ -17,7 +17,9 @@
   the D ranks of local index l, sends the partial sum for node m (quantized again) to
   node m, which sums the D partials (node order). Only the second hop crosses nodes,
   carrying 1/L of the one-hop volume. The first hop is waited for when it is launched
-  (the second needs its result). Tags "grads-intN-node" and "grads-intN-nodes".
+  (the second needs its result). Tags "grads-intN-node" and "grads-intN-nodes". With
+  one node (L = N_d) or one rank per node (L = 1) a hop would be among one rank: only
+  the other runs, as the one-hop reduction, under its own tag.
 * hpZ: when a unit's forward gather completes, each rank copies its slice l of L equal
   slices of the whole unit (the secondary shard); a backward gather of that unit then
   all-gathers the L secondary shards among the ranks of the node only (tag
@@ -148,13 +150,13 @@ def quantized_reduce_scatter(
     out = communicator.chunk(buffer)
     name = f"grads-int{bits}"
     if node is None:
-        pending, send, recv = _exchange(communicator, rows, bits, block, name, scratch)
-
-        def finish() -> None:
-            out.copy_(_sum_rows(recv, width, bits, block))
-            scratch.give(send, recv)
-
-        return pending.then(finish)
+        return _one_hop(communicator, rows, out, bits, block, name, scratch)
+    if 1 in (node.local.world, node.cross.world):
+        # One node, or one rank per node: the other hop is among one rank and would
+        # quantize for nothing. The remaining hop is the one-hop reduction (its group's
+        # ranks in data-parallel order), over the link it crosses.
+        hop, tag = (node.local, "-node") if node.cross.world == 1 else (node.cross, "-nodes")
+        return _one_hop(hop, rows, out, bits, block, name + tag, scratch)
     local, nodes = node.local.world, node.cross.world
     # Hop 1: local rank l gets, from every rank of its node, the rows for {m L + l}.
     by_local = rows.view(nodes, local, width).transpose(0, 1).reshape(local, nodes * width)
@@ -170,6 +172,25 @@ def quantized_reduce_scatter(
         scratch.give(send, recv)
 
     return pending.then(finish_nodes)
+
+
+def _one_hop(
+    communicator: comm.Communicator,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    bits: int,
+    block: int,
+    name: str,
+    scratch: Scratch,
+) -> comm.Pending:
+    """Every rank's row ``rank`` summed into ``out`` in one all-to-all."""
+    pending, send, recv = _exchange(communicator, rows, bits, block, name, scratch)
+
+    def finish() -> None:
+        out.copy_(_sum_rows(recv, rows.shape[1], bits, block))
+        scratch.give(send, recv)
+
+    return pending.then(finish)
 
 
 @dataclass

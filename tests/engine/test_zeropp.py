@@ -93,7 +93,8 @@ def _collectives(world: int, bits: int, rpn: int | None) -> list[dict]:
     return run_local(zs.collectives, world, NUMEL, bits, rpn)
 
 
-CASES = [(4, 4, 2), (2, 8, None)]
+CASES = [(4, 4, 2), (2, 8, None), (2, 8, 1), (2, 4, 2)]
+"""2 nodes x 2 ranks; one node without a topology; one rank per node; one node."""
 
 
 @pytest.mark.parametrize("world,bits,rpn", CASES)
@@ -111,7 +112,7 @@ def test_quantized_reduce_scatter_sums_dequantized_slices_in_fp32(world, bits, r
     results = _collectives(world, bits, rpn)
     rows = [zs.rank_input(j, NUMEL).view(world, -1) for j in range(world)]
     for rank, r in enumerate(results):
-        if rpn is None:  # one hop: row `rank` of every sender, summed in rank order
+        if rpn in (None, 1, world):  # one hop: row `rank` of every sender, in rank order
             expected = _sum([_q(rows[j][rank], bits) for j in range(world)])
         else:  # two hops: within each node, then across nodes (see zeropp.py)
             nodes, local = world // rpn, rank % rpn
@@ -149,6 +150,23 @@ def test_bytes_by_link_are_exact_at_two_nodes():
     row4 = packed_bytes(chunk, 4, zs.BLOCK)
     assert hop2["payload_bytes"] == 2 * row4
     assert (hop2["intra_node_bytes"], hop2["cross_node_bytes"]) == (0, row4)
+
+
+@pytest.mark.parametrize("rpn,tag,link", [(1, "-nodes", "cross"), (2, "-node", "intra")])
+def test_a_hop_among_one_rank_is_left_out(rpn, tag, link):
+    """One rank per node or one node: the one hop left is the one-hop reduction (the
+    same sums, quantized once), its bytes on the link it crosses."""
+    entries = {e["tag"]: e for e in _collectives(2, 8, rpn)[0]["entries"]}
+    grads = [t for t in entries if t.startswith("grads")]
+    assert grads == ["grads-int8" + tag], grads
+    row = packed_bytes(NUMEL // 2, 8, zs.BLOCK)
+    assert entries[grads[0]]["payload_bytes"] == 2 * row
+    assert entries[grads[0]][f"{link}_node_bytes"] == row
+    plain = _collectives(2, 8, None)
+    assert all(
+        torch.equal(a["reduced"], b["reduced"])
+        for a, b in zip(_collectives(2, 8, rpn), plain, strict=True)
+    )
 
 
 def test_one_node_has_no_cross_node_bytes():
