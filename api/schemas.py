@@ -59,6 +59,10 @@ class JobList(BaseModel):
     limit: int
     offset: int
     next_offset: int | None
+    """The next page's offset; null on the last page, and when paging by cursor."""
+    next_cursor: str | None
+    """The next page's cursor (null on the last page): it starts after this page's last
+    job, so jobs submitted meanwhile neither repeat nor hide a row."""
 
 
 class EventOut(BaseModel):

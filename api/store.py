@@ -288,14 +288,27 @@ def get_job(session: Session, who: Principal, job_id: str) -> Job | None:
 
 
 def list_jobs(
-    session: Session, who: Principal, status: str | None, limit: int, offset: int
+    session: Session,
+    who: Principal,
+    status: str | None,
+    limit: int,
+    offset: int,
+    after: tuple[datetime, str] | None = None,
 ) -> tuple[list[Job], int]:
+    """Up to ``limit`` + 1 jobs, newest first (the one more says another page follows),
+    from ``offset`` or after the job at ``after`` (creation time, id: see
+    api/job_cursor.py); and how many match in all."""
     query = _visible(who)
     if status is not None:
         query = query.where(Job.status == status)
     total = session.execute(select(func.count()).select_from(query.subquery())).scalar_one()
+    if after is not None:
+        created_at, job_id = after
+        query = query.where(
+            or_(Job.created_at < created_at, and_(Job.created_at == created_at, Job.id > job_id))
+        )
     rows = session.execute(
-        query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)
+        query.order_by(Job.created_at.desc(), Job.id).limit(limit + 1).offset(offset)
     ).scalars()
     return list(rows), int(total)
 

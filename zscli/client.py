@@ -84,10 +84,14 @@ class Client:
             body["submission_id"] = submission_id
         return self._call("POST", "/v1/jobs", json=body)
 
-    def jobs(self, status: str | None = None, limit: int = 50, offset: int = 0) -> dict:
+    def jobs(
+        self, status: str | None = None, limit: int = 50, offset: int = 0, cursor: str | None = None
+    ) -> dict:
         params: dict[str, Any] = {"limit": limit, "offset": offset}
         if status:
             params["status"] = status
+        if cursor is not None:
+            params["cursor"] = cursor
         return self._call("GET", "/v1/jobs", params=params)
 
     def job(self, job_id: str) -> dict:

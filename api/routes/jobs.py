@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from workers.state import ACTIVE, TERMINAL, JobState
 
-from .. import quota, store
+from .. import job_cursor, quota, store
 from ..auto_config import configured_event
 from ..backend import SupervisorSilent
 from ..confine import checkpoint_base
@@ -110,17 +110,36 @@ def list_jobs(
     status: Annotated[JobState | None, Query(description="one of " + ", ".join(STATUSES))] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+    cursor: Annotated[
+        str | None,
+        Query(
+            max_length=256,
+            description="the next_cursor of the page before: the page after the last job "
+            "it showed, whatever was submitted since (an offset would repeat rows then)",
+        ),
+    ] = None,
 ) -> JobList:
-    jobs, total = store.list_jobs(db, who, status, limit, offset)
+    after = None
+    if cursor is not None:
+        if offset:
+            raise Rejected(422, "cursor and offset: give one (a cursor is a position itself)")
+        try:
+            after = job_cursor.decode(cursor)
+        except job_cursor.BadCursor as exc:
+            raise Rejected(422, str(exc)) from None
+    jobs, total = store.list_jobs(db, who, status, limit, offset, after)
+    more = len(jobs) > limit
+    jobs = jobs[:limit]
     names = store.tenant_names(db, {j.tenant_id for j in jobs})
     items = [store.to_out(j, names.get(j.tenant_id, "?")) for j in jobs]
-    more = offset + len(items) < total
+    last = job_cursor.Position(jobs[-1].created_at, jobs[-1].id) if more else None
     return JobList(
         items=items,
         total=total,
         limit=limit,
         offset=offset,
-        next_offset=offset + len(items) if more else None,
+        next_offset=offset + len(items) if more and cursor is None else None,
+        next_cursor=job_cursor.encode(last) if last is not None else None,
     )
 
 

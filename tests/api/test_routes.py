@@ -300,6 +300,49 @@ def test_list_filters_and_paginates(harness):
     assert harness.client.get("/v1/jobs?limit=0", headers=h).status_code == 422
 
 
+def test_a_cursor_pages_through_jobs_submitted_meanwhile_once_each(harness):
+    """Jobs submitted between pages: by cursor every job listed at the start is seen
+    exactly once, in order; by offset the shifted rows repeat one."""
+    c, h = harness.client, harness.headers(harness.tenant_token("alice"))
+    limits = {"max_queued_jobs": 100}
+    assert c.put("/v1/tenants/alice/limits", json=limits, headers=harness.headers(harness.admin))
+    for i in range(7):
+        c.post("/v1/jobs", json={"spec": {**TINY, "name": f"j{i}"}}, headers=h)
+    at_start = [j["id"] for j in c.get("/v1/jobs?limit=500", headers=h).json()["items"]]
+    seen, cursor, by_offset, offset = [], None, [], 0
+    while True:
+        params = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+        page = c.get("/v1/jobs", params=params, headers=h).json()
+        seen += [j["id"] for j in page["items"]]
+        assert page["next_offset"] is None or cursor is None
+        c.post("/v1/jobs", json={"spec": {**TINY, "name": "meanwhile"}}, headers=h)
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == at_start
+    while offset is not None:
+        page = c.get("/v1/jobs", params={"limit": 2, "offset": offset}, headers=h).json()
+        by_offset += [j["id"] for j in page["items"]]
+        c.post("/v1/jobs", json={"spec": {**TINY, "name": "meanwhile"}}, headers=h)
+        offset = page["next_offset"] if offset < 20 else None
+    assert len(by_offset) > len(set(by_offset))  # what the cursor is for
+
+
+@pytest.mark.parametrize(
+    "params,said",
+    [
+        ({"cursor": "bm9wZQ"}, "cursor: not a cursor this service gave"),
+        ({"cursor": "!!"}, "cursor: not a cursor this service gave"),
+        ({"cursor": "WyIyMDI2LTAxLTAxVDAwOjAwOjAwIiwgIngiXQ"}, "cursor: not a cursor"),
+        ({"cursor": "WyJ4IiwgIngiXQ", "offset": 2}, "cursor and offset: give one"),
+    ],
+)
+def test_a_cursor_not_given_by_the_service_is_refused(harness, params, said):
+    h = harness.headers(harness.tenant_token("alice"))
+    r = harness.client.get("/v1/jobs", params=params, headers=h)
+    assert r.status_code == 422 and r.json()["detail"].startswith(said), r.text
+
+
 def test_scheduler_admits_by_priority_syncs_events_and_asks_the_autoscaler(harness):
     c, fake = harness.client, harness.backend
     fake.total["CPU"] = 2.0  # room for one 2-rank job at a time
