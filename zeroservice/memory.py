@@ -201,13 +201,15 @@ def tensor_bytes(tensors) -> int:
 def optimizer_state_tensors(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Split the optimizer's state into shard-sized tensors and small ones (counters)."""
+    """Split the optimizer's state into shard-sized tensors and small ones (counters).
+    Shard-sized by shape, as checkpoints tell them apart: a one-element shard's moments
+    are shard-sized, Adam's 0-dim ``step`` is not."""
     big: list[torch.Tensor] = []
     small: list[torch.Tensor] = []
     for param, state in optimizer.state.items():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                same = value.numel() == param.numel() and value.numel() > 1
+                same = value.dim() > 0 and value.shape == param.shape
                 (big if same else small).append(value)
     return big, small
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from tests.engine.scenarios import TINY, Spec, ledgers
 from zeroservice.flat import padded_size
@@ -152,3 +153,44 @@ def _grad_calls(r, world: int) -> int:
 def _largest_block_elements(r) -> int:
     """A block of the tiny GPT: the group whose units follow the embedding units."""
     return max(r["group_elements"])
+
+
+class _OneElementShards(torch.nn.Module):
+    """A 3-element bias (one element per rank at N_d = 3) and a learnable scalar."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 3)
+        self.gate = torch.nn.Parameter(torch.tensor([1.0]))
+
+    def forward(self, x):
+        return (self.lin(x) * self.gate).square().mean()
+
+
+def _one_element_ledgers() -> list[dict]:
+    import torch.distributed as dist
+
+    import zeroservice
+    from zeroservice.planner import model_state_bytes_for_module
+
+    out = []
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = _OneElementShards()
+        world = dist.get_world_size()
+        planned = model_state_bytes_for_module(model, dp=world, stage=stage, precision="fp32")
+        engine = zeroservice.initialize(model, {"stage": stage}, torch.optim.AdamW)
+        engine.backward(engine(torch.randn(2, 5)))
+        engine.step()
+        units = len(engine.units)
+        out.append({"planned": planned, "units": units, **engine.memory_ledger().as_dict()})
+        engine.close()
+    return out
+
+
+def test_one_element_shards_moments_are_optimizer_states():
+    """Adam's moments of a one-element shard are shard-sized state, not counters: the
+    ledger still equals the formula and the planner to the byte."""
+    for m in run_local(_one_element_ledgers, 3)[0]:
+        assert m["model_states"] == m["expected_padded"] == m["planned"], m
+        assert m["optimizer_other"] == 4 * m["units"], m  # the step counters alone
