@@ -205,9 +205,17 @@ def plan(
         raise PlanError(f"redundancy: {redundancy!r} is not 'none' or 'host-copy'")
     _check_int("dp", dp, 1)
     _check_int("mp", mp, 1)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+    _check_stage(stage)
     _check_precision(precision)
+    for name, value in (
+        ("offload_optimizer", offload_optimizer),
+        ("activation_checkpointing", activation_checkpointing),
+        ("partition_activations", partition_activations),
+        ("cpu_offload_activations", cpu_offload_activations),
+        ("quantized_weights", quantized_weights),
+        ("hierarchical_partition", hierarchical_partition),
+    ):
+        _check_bool(name, value)
     _check_zeropp(
         stage,
         dp,
@@ -680,8 +688,7 @@ def _layout(
     from .units import plan_layout
 
     _check_int("dp", dp, 1)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+    _check_stage(stage)
     if bucket is not None:
         _check_int("bucket_elements", bucket, MIN_BUCKET_ELEMENTS)
     if grouping not in ("blocks", "size"):
@@ -709,11 +716,14 @@ def model_state_bytes_for_module(
     bucket_elements: int | None = None,
     stage3_grouping: str = "blocks",
     stage3_leaf_modules: Sequence[str] = KNOWN_MOE_LEAVES,
+    offload_optimizer: bool = False,
 ) -> int:
     """Model-state bytes per rank the engine will hold for this module, padding included:
-    the engine's ``memory_ledger().model_states`` before it runs (Adam: 8 bytes)."""
+    the engine's ``memory_ledger().model_states`` before it runs (Adam: 8 bytes). With
+    ``offload_optimizer`` the fp32 master is a host copy of its own even in fp32."""
     _check_precision(precision)
     _check_int("optimizer_bytes", optimizer_bytes, 0)
+    _check_bool("offload_optimizer", offload_optimizer)
     sizes = unit_sizes_for_module(
         module,
         dp=dp,
@@ -723,7 +733,8 @@ def model_state_bytes_for_module(
         stage3_leaf_modules=stage3_leaf_modules,
     )
     psi_padded = sum(padded for _, padded in sizes)
-    return sum(model_state_kinds(stage, precision, psi_padded, dp, optimizer_bytes))
+    kinds = model_state_kinds(stage, precision, psi_padded, dp, optimizer_bytes, offload_optimizer)
+    return sum(kinds)
 
 
 def frozen_bytes_for_module(
@@ -767,6 +778,17 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise PlanError(f"{name}: expected an integer, got {value!r}")
     if value < minimum:
         raise PlanError(f"{name}: must be >= {minimum}, got {value}")
+
+
+def _check_stage(stage: object) -> None:
+    if type(stage) is not int or stage not in (0, 1, 2, 3):  # 1.0 and True are refused
+        raise PlanError(f"stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+
+
+def _check_bool(name: str, value: object) -> None:
+    """A switch is True or False: a string such as "no" would read as on."""
+    if not isinstance(value, bool):
+        raise PlanError(f"{name}: expected true or false, got {value!r}")
 
 
 def _check_precision(precision: str) -> None:

@@ -156,6 +156,10 @@ def test_activation_formula():
     [
         (dict(dp=0, stage=1), "dp"),
         (dict(dp=2, stage=4), "stage"),
+        (dict(dp=2, stage=1.0), "stage"),
+        (dict(dp=2, stage=True), "stage"),
+        (dict(dp=2, stage=1, offload_optimizer="no"), "offload_optimizer"),
+        (dict(dp=2, stage=1, activation_checkpointing="yes"), "activation_checkpointing"),
         (dict(dp=2, stage=1, precision="fp8"), "precision"),
         (dict(dp=2, stage=1, mp=5), "mp"),  # 4 heads
         (dict(dp=2, stage=1, mp=0), "mp"),
@@ -206,8 +210,10 @@ def test_vocab_must_divide_over_mp():
 
 # -- the engine's ledger, to the byte ----------------------------------------------------
 
-ENGINE_CASES = [(2, s, p) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
-ENGINE_CASES += [(4, 1, "bf16"), (4, 3, "fp32")]
+ENGINE_CASES = [(2, s, p, False) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
+ENGINE_CASES += [(4, 1, "bf16", False), (4, 3, "fp32", False)]
+# ZeRO-Offload: the fp32 master is a host copy of its own, in fp32 too.
+ENGINE_CASES += [(2, 0, "fp32", True), (2, 3, "fp32", True), (2, 2, "bf16", True)]
 
 
 def _snapshot(module: torch.nn.Module):
@@ -223,7 +229,7 @@ def _same(a, b) -> bool:
     )
 
 
-def predict_and_train(cases: list[tuple[int, str]]) -> list[dict]:
+def predict_and_train(cases: list[tuple[int, str, bool]]) -> list[dict]:
     """Runs on each rank: the planner's prediction, then the engine's ledger after a step."""
     import torch.distributed as dist
 
@@ -231,15 +237,22 @@ def predict_and_train(cases: list[tuple[int, str]]) -> list[dict]:
     from zeroservice.config import ZeroConfig
 
     world, out = dist.get_world_size(), []
-    for stage, precision in cases:
+    for stage, precision, offload in cases:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**ODD))
         before = _snapshot(model)
         predicted = planner.model_state_bytes_for_module(
-            model, dp=world, stage=stage, precision=precision, bucket_elements=BUCKET
+            model,
+            dp=world,
+            stage=stage,
+            precision=precision,
+            bucket_elements=BUCKET,
+            offload_optimizer=offload,
         )
         unchanged = _same(before, _snapshot(model))
-        config = ZeroConfig(stage=stage, precision=precision, bucket_elements=BUCKET)
+        config = ZeroConfig(
+            stage=stage, precision=precision, bucket_elements=BUCKET, offload_optimizer=offload
+        )
         engine = zeroservice.initialize(model, config, optimizer=torch.optim.AdamW)
         x = torch.randint(0, ODD["vocab_size"], (2, ODD["seq_len"]))
         engine.backward(engine(x, x))
@@ -251,21 +264,21 @@ def predict_and_train(cases: list[tuple[int, str]]) -> list[dict]:
 
 
 @functools.cache
-def _engine_results() -> dict[tuple[int, int, str], dict]:
+def _engine_results() -> dict[tuple[int, int, str, bool], dict]:
     results = {}
     for world in (2, 4):
-        cases = [(s, p) for w, s, p in ENGINE_CASES if w == world]
+        cases = [(s, p, o) for w, s, p, o in ENGINE_CASES if w == world]
         ranks = run_local(predict_and_train, world, cases)
         for rank_results in ranks[1:]:
             assert [r["ledger"] for r in rank_results] == [r["ledger"] for r in ranks[0]]
-        for (stage, precision), r in zip(cases, ranks[0], strict=True):
-            results[(world, stage, precision)] = r
+        for (stage, precision, offload), r in zip(cases, ranks[0], strict=True):
+            results[(world, stage, precision, offload)] = r
     return results
 
 
-@pytest.mark.parametrize("world,stage,precision", ENGINE_CASES)
-def test_module_prediction_equals_the_engine_ledger(world, stage, precision):
-    r = _engine_results()[(world, stage, precision)]
+@pytest.mark.parametrize("world,stage,precision,offload", ENGINE_CASES)
+def test_module_prediction_equals_the_engine_ledger(world, stage, precision, offload):
+    r = _engine_results()[(world, stage, precision, offload)]
     ledger = r["ledger"]
     assert r["unchanged"]
     assert r["predicted"] == ledger["model_states"]
@@ -273,7 +286,7 @@ def test_module_prediction_equals_the_engine_ledger(world, stage, precision):
     assert (ledger["psi_padded"] > ledger["psi"]) == (stage > 0)
     # From the config alone: the unpadded formula, by kind as the ledger reports it.
     cfg = GPTConfig(**ODD)
-    p = planner.plan(cfg, dp=world, stage=stage, precision=precision)
+    p = planner.plan(cfg, dp=world, stage=stage, precision=precision, offload_optimizer=offload)
     assert p.psi_local == cfg.num_params() == ledger["psi"]
     assert p.model_states == ledger["expected"]
 
