@@ -10,9 +10,10 @@ was chosen and why. Nothing fits: the submission is refused with the numbers.
 
 What auto may change: the fields in ``CHOSEN`` and, for a job of one fixed size, the
 split of its ranks (``resources.dp`` × ``resources.mp`` stays the same world). CPU ranks
-get ``resources.host_allocator: mapped`` unless the job names it: the predicted peak is
-the resident memory with glibc's mapping threshold at 128 KiB, and under glibc's
-default settings ranks hold more (docs/operations.md, "Host memory of CPU ranks"). An elastic
+get ``resources.host_allocator: mapped``, and a job naming another allocator is refused:
+the predicted peak is the resident memory with glibc's mapping threshold at 128 KiB,
+and under glibc's default settings ranks hold up to 40% more, beyond the margin
+(docs/operations.md, "Host memory of CPU ranks"). An elastic
 job (min_dp < max_dp) keeps its N_m and is sized at its fewest replicas, where each rank
 holds the most. The choice rests on the reference GPT's peak model, so a job it does
 not cover (another model, optimizer, fp16, accumulation, host copies, ZeRO++) is
@@ -80,18 +81,30 @@ def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any
     if gap is not None:
         _refuse(f"engine.stage: auto is not modelled for this job: {gap}")
     res = spec.resources
+    if res.gpus_per_rank == 0 and res.host_allocator not in (None, "mapped"):
+        _refuse(
+            f"resources.host_allocator: {res.host_allocator!r}: auto's predicted peaks are "
+            "resident memory under 'mapped' (ranks hold up to 40% more under glibc's "
+            "defaults, beyond auto's margin); leave host_allocator out (auto sets "
+            "'mapped') or name a stage (0-3)"
+        )
     elastic = res.lowest_dp != res.highest_dp
     world = res.lowest_dp * res.mp
-    choice = auto_configure(
-        spec.model.gpt_config(),
-        world=world,
-        memory_per_rank=memory_per_rank,
-        precision=concrete.precision,
-        micro_batch=spec.micro_batch,
-        seq_len=spec.model.seq_len,
-        mp=res.mp if elastic else None,
-        device=res.device,
-    )
+    try:
+        choice = auto_configure(
+            spec.model.gpt_config(),
+            world=world,
+            memory_per_rank=memory_per_rank,
+            precision=concrete.precision,
+            micro_batch=spec.micro_batch,
+            seq_len=spec.model.seq_len,
+            mp=res.mp if elastic else None,
+            device=res.device,
+            collectives=concrete.collectives,
+            persistence_elements=concrete.stage3_persistence_elements,
+        )
+    except ValueError as exc:  # a split the job fixes that the model refuses (vocab_tiles)
+        _refuse(f"engine.stage: auto: {exc}")
     weighed = choice.as_dict()
     if choice.choice is None:
         _refuse(
@@ -114,8 +127,8 @@ def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any
     try:
         return JobSpec.model_validate(data), weighed
     except ValidationError as exc:  # the chosen split breaks one of the spec's own rules
-        first = exc.errors()[0]
-        _refuse(f"engine.stage auto chose {chosen.describe()}, which {first['msg']}")
+        why = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        _refuse(f"engine.stage auto chose {chosen.describe()}, which the spec refuses: {why}")
 
 
 def configured_event(weighed: dict[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,7 @@ def plan_job(
     p = plan(
         model,
         **_sizing(spec, cfg),
+        optimizer_bytes=optimizer_bytes(spec),
         micro_batch=spec.micro_batch if gpt else None,
         redundancy=cfg.redundancy,
         quantized_weights=cfg.quantized_weights,
@@ -143,6 +144,15 @@ def memory_limit(spec: JobSpec, settings, device_memory_gib: float | None) -> tu
     return gib, limit
 
 
+def optimizer_bytes(spec: JobSpec) -> int:
+    """Bytes of optimizer state per parameter (K): Adam's two moments, SGD's momentum
+    buffer when it has momentum, nothing for plain SGD."""
+    opt = spec.optimizer
+    if opt.type == "sgd":
+        return 4 if opt.momentum else 0
+    return 8
+
+
 def _sizing(spec: JobSpec, cfg: ZeroConfig) -> dict[str, Any]:
     """What the formula (``planner.plan``) and the peak model (``PeakConfig``) both take
     of a job, at its fewest replicas (where each rank holds the most)."""
@@ -178,6 +188,8 @@ def _peak(spec: JobSpec) -> Any:
                 **_sizing(spec, cfg),
                 micro_batch=spec.micro_batch,
                 prefetch_elements=cfg.stage3_prefetch_elements,
+                persistence_elements=cfg.stage3_persistence_elements,
+                collectives=cfg.collectives,
                 device=spec.resources.device,
             )
         )

@@ -27,6 +27,7 @@ copied to the host and the parameters back, at ``host_bytes_per_second``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +135,8 @@ def auto_configure(
     seq_len: int | None = None,
     mp: int | None = None,
     device: str = "cpu",
+    collectives: str = "auto",
+    persistence_elements: int | None = None,
     margin: float = 0.10,
     reserve_bytes: int = RUNTIME_RESERVE,
     flops_per_second: float = 5e10,
@@ -144,7 +147,10 @@ def auto_configure(
     """The configuration with the least predicted step time whose predicted peak, with
     ``margin``, fits ``memory_per_rank`` bytes. See [Note: automatic configuration].
     ``mp``: weigh only that N_m (an elastic job's replicas keep their size).
-    ``device``: "cpu" (the budget is resident host memory) or "cuda" (GPU memory)."""
+    ``device``: "cpu" (the budget is resident host memory) or "cuda" (GPU memory).
+    ``collectives`` and ``persistence_elements``: the engine's ``collectives`` and
+    ``stage3_persistence_elements``, which auto keeps as the job names them. Every
+    argument of the wrong kind or range is a ValueError naming it."""
     from .models.gpt import GPTConfig
 
     if not isinstance(gpt, GPTConfig):
@@ -157,34 +163,50 @@ def auto_configure(
         ("memory_per_rank", memory_per_rank),
         ("micro_batch", micro_batch),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-    if seq_len is not None and not 1 <= seq_len <= gpt.seq_len:
-        raise ValueError(f"seq_len: must be in [1, {gpt.seq_len}] (the model's), got {seq_len}")
-    if reserve_bytes < 0:
-        raise ValueError(f"reserve_bytes: must be >= 0, got {reserve_bytes}")
+        _check_int(name, value, 1)
+    if seq_len is not None:
+        _check_int("seq_len", seq_len, 1)
+        if seq_len > gpt.seq_len:
+            raise ValueError(f"seq_len: must be in [1, {gpt.seq_len}] (the model's), got {seq_len}")
+    _check_int("reserve_bytes", reserve_bytes, 0)
+    if persistence_elements is not None:
+        _check_int("persistence_elements", persistence_elements, 0)
     for name, rate in (
         ("flops_per_second", flops_per_second),
         ("link_bytes_per_second", link_bytes_per_second),
         ("host_bytes_per_second", host_bytes_per_second),
     ):
-        if not rate > 0 or rate == float("inf"):
-            raise ValueError(f"{name}: must be a positive finite number, got {rate}")
-    if mp is not None and (mp < 1 or world % mp or gpt.n_head % mp or gpt.vocab_size % mp):
+        if not _real(rate) or not 0 < rate < float("inf"):
+            raise ValueError(f"{name}: must be a positive finite number, got {rate!r}")
+    if not _real(collective_seconds) or not 0 <= collective_seconds < float("inf"):
         raise ValueError(
-            f"mp: {mp} must divide the world ({world}), the heads ({gpt.n_head}) and the "
-            f"vocabulary ({gpt.vocab_size})"
+            f"collective_seconds: must be a finite number >= 0, got {collective_seconds!r}"
         )
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin: must be in [0, 1), got {margin}")
-    if precision not in PARAM_BYTES:
-        raise ValueError(f"precision: {precision!r} is not one of {list(PARAM_BYTES)}")
+    if mp is not None:
+        _check_int("mp", mp, 1)
+        if world % mp or gpt.n_head % mp or gpt.vocab_size % mp:
+            raise ValueError(
+                f"mp: {mp} must divide the world ({world}), the heads ({gpt.n_head}) and the "
+                f"vocabulary ({gpt.vocab_size})"
+            )
+        if mp > 1 and gpt.vocab_tiles > 1:
+            raise ValueError(f"mp: the model's vocab_tiles ({gpt.vocab_tiles}) need N_m = 1")
+    if not _real(margin) or not 0 <= margin < 1:
+        raise ValueError(f"margin: must be a number in [0, 1), got {margin!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(
+            f"precision: {precision!r}: auto is modelled for 'fp32' and 'bf16' (fp16's loss "
+            "scaling is not); name a stage for fp16"
+        )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: {device!r} is not 'cpu' or 'cuda'")
+    if collectives not in ("auto", "native", "ring", "shm"):
+        raise ValueError(f"collectives: {collectives!r} is not auto, native, ring or shm")
     rates = (flops_per_second, link_bytes_per_second, host_bytes_per_second, collective_seconds)
+    extra = {"collectives": collectives, "persistence_elements": persistence_elements}
     candidates = [
         AutoCandidate(c, predict_peak(c), _step_seconds(c, *rates))
-        for c in _configurations(gpt, world, precision, micro_batch, seq_len, device)
+        for c in _configurations(gpt, world, precision, micro_batch, seq_len, device, extra)
         if mp is None or c.mp == mp
     ]
     smallest = min(candidates, key=lambda a: (a.peak.peak, a.step_seconds))
@@ -218,12 +240,31 @@ def _need(margin: float, reserve: int):
     return lambda a: int((a.peak.peak + reserve) * (1 + margin))
 
 
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _configurations(
-    gpt: GPTConfig, world: int, precision: str, micro_batch: int, seq_len: int | None, device: str
+    gpt: GPTConfig,
+    world: int,
+    precision: str,
+    micro_batch: int,
+    seq_len: int | None,
+    device: str,
+    extra: dict[str, Any],
 ) -> list[PeakConfig]:
+    """Every configuration weighed; N_m divides the world, the heads and the vocabulary
+    (so only divisors of their greatest common divisor are tried: a world of 2^62 ranks
+    is answered at once), and is 1 where the model's vocabulary is tiled."""
     out = []
-    for mp in range(1, world + 1):
-        if world % mp or gpt.n_head % mp or gpt.vocab_size % mp:
+    common = 1 if gpt.vocab_tiles > 1 else math.gcd(world, gpt.n_head, gpt.vocab_size)
+    for mp in range(1, common + 1):
+        if common % mp:
             continue
         for stage in (0, 1, 2, 3):
             for ckpt in (False, True):
@@ -244,6 +285,7 @@ def _configurations(
                                 bucket_elements=bucket,
                                 prefetch_elements=bucket,
                                 device=device,
+                                **extra,
                             )
                         )
     return out

@@ -164,6 +164,8 @@ class PeakConfig:
     optimizer_bytes: int = 8
     bucket_elements: int | None = None
     prefetch_elements: int | None = None
+    persistence_elements: int | None = None
+    """Stage 3's ``stage3_persistence_elements``: units up to it stay gathered."""
     native_bf16: bool | None = None
     """Whether the rank's CPU keeps bf16 kernels resident (see [Note: peak model]);
     ``None``: as this host does (``native_bf16_matmul``)."""
@@ -316,6 +318,7 @@ def _units(c: PeakConfig) -> _Units:
         c.stage,
         c.bucket_elements,
         c.prefetch_elements,
+        c.persistence_elements,
     )
     units = _UNITS_CACHE.get(key)
     if units is None:
@@ -332,7 +335,7 @@ def _layout(c: PeakConfig) -> _Units:
 
     params = gpt_parameters(c.gpt, c.mp)
     psi = sum(n for _, n in params)
-    b = budgets(psi, c.dp, c.bucket_elements, c.prefetch_elements)
+    b = budgets(psi, c.dp, c.bucket_elements, c.prefetch_elements, c.persistence_elements)
     cap = b.unit_elements
     shard_world = c.dp if c.stage > 0 else 1
     names = [""]

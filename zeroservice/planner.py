@@ -801,3 +801,8 @@ def _check_mp(spec: ModelSpec, mp: int) -> None:
         raise PlanError(f"mp: {mp} does not divide the model's heads ({spec.heads})")
     if spec.gpt is not None and spec.gpt.vocab_size % mp:
         raise PlanError(f"mp: {mp} does not divide the model's vocab ({spec.gpt.vocab_size})")
+    if spec.gpt is not None and mp > 1 and spec.gpt.vocab_tiles > 1:
+        raise PlanError(
+            f"mp: the model's vocab_tiles ({spec.gpt.vocab_tiles}) are refused with model "
+            "parallelism (the vocabulary is already split over the N_m ranks)"
+        )

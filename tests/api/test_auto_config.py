@@ -185,13 +185,38 @@ def test_cpu_ranks_of_an_auto_job_run_with_the_threshold_the_prediction_holds_fo
     resolved, weighed = resolve(JobSpec.model_validate(SMALL), 200 * MIB)
     assert resolved.resources.host_allocator == weighed["host_allocator"] == "mapped"
     assert actor_env(resolved.resources.host_allocator)["MALLOC_MMAP_THRESHOLD_"] == "131072"
-    named = {**SMALL, "resources": {**SMALL["resources"], "host_allocator": "inherit"}}
+    named = {**SMALL, "resources": {**SMALL["resources"], "host_allocator": "mapped"}}
     kept, _ = resolve(JobSpec.model_validate(named), 200 * MIB)
-    assert kept.resources.host_allocator == "inherit"
-    assert actor_env(kept.resources.host_allocator)["MALLOC_MMAP_THRESHOLD_"] == "999999"
+    assert kept.resources.host_allocator == "mapped"
+    assert actor_env("inherit")["MALLOC_MMAP_THRESHOLD_"] == "999999"
     gpus = {**SMALL, "resources": {**SMALL["resources"], "gpus_per_rank": 1}}
     on_gpus, _ = resolve(JobSpec.model_validate(gpus), 200 * MIB)
     assert on_gpus.resources.host_allocator is None
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert "MALLOC_MMAP_THRESHOLD_" not in actor_env(None)
     assert actor_env(None)["THP_MEM_ALLOC_ENABLE"] == "1"  # unset: huge pages only
+
+
+@pytest.mark.parametrize("allocator", ["inherit", "huge"])
+def test_cpu_ranks_under_another_allocator_than_the_predictions_are_refused(harness, allocator):
+    """Under glibc's defaults ranks hold up to 40% more than the predicted peak, beyond
+    auto's margin: a job naming such an allocator is refused, naming the field."""
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**SMALL, "resources": {**SMALL["resources"], "host_allocator": allocator}}
+    for route in ("/v1/jobs", "/v1/plan"):
+        r = harness.client.post(route, json={"spec": spec}, headers=h)
+        assert r.status_code == 422, r.text
+        assert "resources.host_allocator" in r.json()["detail"]["message"], r.text
+
+
+def test_a_tiled_vocabulary_is_configured_without_model_parallelism(harness):
+    """The model refuses vocab_tiles with N_m > 1: auto weighs N_m = 1 alone (and the
+    spec refuses a job fixing N_m = 2)."""
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**SMALL, "model": {**SMALL["model"], "vocab_tiles": 4}}
+    got = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
+    assert got["fits"] is True and got["auto"]["choice"]["mp"] == 1, got
+    assert got["auto"]["considered"] == 32  # 4 stages x checkpointing x offload x buckets
+    fixed = {**spec, "resources": {"dp": 1, "min_dp": 1, "max_dp": 2, "mp": 2}}
+    r = harness.client.post("/v1/plan", json={"spec": fixed}, headers=h)
+    assert r.status_code == 422 and "model.vocab_tiles: 4 with resources.mp 2" in r.text, r.text

@@ -207,6 +207,39 @@ def test_the_plan_of_a_reference_gpt_is_its_predicted_peak(harness):
     assert zpp["needed_bytes"] == per_rank["device_total"] + per_rank["host_total"]
 
 
+@pytest.mark.parametrize(
+    ("engine", "peak_field"),
+    [
+        ({"stage": 2, "collectives": "shm"}, {"collectives": "shm"}),
+        ({"stage": 3, "stage3_persistence_elements": 10**7}, {"persistence_elements": 10**7}),
+    ],
+)
+def test_the_peak_follows_the_engine_settings_that_hold_memory(harness, engine, peak_field):
+    """Shared-memory segments stay mapped; units up to the persistence threshold stay
+    gathered: the plan is the peak of the job's own settings, above the default's."""
+    from workers.spec import JobSpec
+    from zeroservice.peak import PeakConfig, predict_peak
+
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**TINY, "engine": engine, "resources": {"dp": 4, "cpus_per_rank": 0.5}}
+    got = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
+    job = JobSpec.model_validate(spec)
+    base = {"gpt": job.model.gpt_config(), "stage": engine["stage"], "dp": 4}
+    want = predict_peak(PeakConfig(**base, micro_batch=job.micro_batch, **peak_field))
+    default = predict_peak(PeakConfig(**base, micro_batch=job.micro_batch))
+    assert got["peak"]["bytes"] == want.peak > default.peak
+
+
+@pytest.mark.parametrize(("optimizer", "per_element"), [({}, 0), ({"momentum": 0.9}, 4)])
+def test_the_plan_of_an_sgd_job_counts_sgds_state(harness, optimizer, per_element):
+    """SGD holds a momentum buffer (4 bytes per element) or nothing, not Adam's 8."""
+    h = harness.headers(harness.tenant_token("alice"))
+    spec = {**TINY, "engine": {"stage": 0}, "optimizer": {"type": "sgd", "lr": 0.1, **optimizer}}
+    got = harness.client.post("/v1/plan", json={"spec": spec}, headers=h).json()
+    psi = got["per_rank"]["psi_local"]
+    assert got["per_rank"]["optimizer_states"] == per_element * psi, got["per_rank"]
+
+
 def test_submission_id_makes_submission_idempotent_under_a_burst(harness):
     h = harness.headers(harness.tenant_token("alice"))
     body = {"spec": TINY, "submission_id": "run-42"}

@@ -75,12 +75,41 @@ def test_cli_auto(capsys):
         ({"flops_per_second": 0.0}, "flops_per_second"),
         ({"link_bytes_per_second": float("nan")}, "link_bytes_per_second"),
         ({"device": "gpu"}, "device"),
+        ({"collective_seconds": -1.0}, "collective_seconds"),
+        ({"collective_seconds": float("nan")}, "collective_seconds"),
+        ({"seq_len": 2.5}, "seq_len"),
+        ({"mp": True}, "mp"),
+        ({"mp": 2.0}, "mp"),
+        ({"reserve_bytes": 2.5}, "reserve_bytes"),
+        ({"reserve_bytes": None}, "reserve_bytes"),
+        ({"margin": "0.1"}, "margin"),
+        ({"precision": ["fp32"]}, "precision"),
+        ({"precision": "fp16"}, "precision"),
+        ({"collectives": "fast"}, "collectives"),
+        ({"persistence_elements": -1}, "persistence_elements"),
     ],
 )
 def test_bad_inputs_are_refused_naming_the_argument(change, field):
     args = {"world": 2, "memory_per_rank": 70 * MIB, "micro_batch": 4, **change}
     with pytest.raises(ValueError, match=f"^{field}: "):
         auto_configure(DEEP, **args)
+
+
+def test_model_parallel_degrees_are_the_divisors_the_model_allows():
+    """N_m divides the world, the heads (4) and the vocabulary: a world of 2^62 ranks is
+    weighed at N_m 1, 2 and 4 at once; a tiled vocabulary allows N_m = 1 alone, in the
+    planner too."""
+    from zeroservice.planner import PlanError, plan
+
+    huge = auto_configure(DEEP, world=2**62, memory_per_rank=2**50, micro_batch=4)
+    assert sorted({a.config.mp for a in huge.candidates}) == [1, 2, 4]
+    tiled = GPTConfig(vocab_size=2048, seq_len=128, n_layer=6, n_head=4, dim=256, vocab_tiles=4)
+    choice = auto_configure(tiled, world=4, memory_per_rank=2**40, micro_batch=4)
+    assert {a.config.mp for a in choice.candidates} == {1}
+    with pytest.raises(ValueError, match="^mp: the model's vocab_tiles"):
+        auto_configure(tiled, world=4, memory_per_rank=2**40, mp=2)
+    with pytest.raises(PlanError, match="^mp: the model's vocab_tiles"):
+        plan(tiled, dp=2, mp=2, stage=1)
 
 
 def test_on_a_gpu_the_budget_is_the_devices_and_offload_frees_it():
