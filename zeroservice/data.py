@@ -9,6 +9,7 @@ ranged GET per sample (never downloaded whole).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +25,21 @@ class TokenDataset(Protocol):
     def sample(self, index: int) -> torch.Tensor:
         """``seq_len + 1`` token ids (inputs and the next-token targets)."""
         ...
+
+
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of sample ``index`` of a dataset seeded ``seed``: seeded with a
+    64-bit hash of the two, so that any seed the spec takes (to 2^63 - 1) runs, and two
+    seeds draw unrelated streams (a seed-times-constant-plus-index made seed s + 1 the
+    stream of seed s shifted by that constant, and overflowed above about 1.8e13)."""
+    key = seed.to_bytes(16, "little", signed=True) + index.to_bytes(16, "little", signed=True)
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+def _window_start(g: torch.Generator, length: int, seq_len: int) -> int:
+    """A window of ``seq_len + 1`` tokens of ``length``: every start, the last included."""
+    return int(torch.randint(length - seq_len, (1,), generator=g))
 
 
 class SyntheticTokens:
@@ -43,7 +59,7 @@ class SyntheticTokens:
         self._succ: list[list[int]] = self.successors.tolist()
 
     def sample(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = sample_generator(self.seed, index)
         picks = torch.randint(self.branching, (self.seq_len,), generator=g).tolist()
         token = int(torch.randint(self.vocab_size, (1,), generator=g))
         succ, out = self._succ, [token]
@@ -60,16 +76,15 @@ class ByteText:
 
     def __init__(self, path: str | Path, seq_len: int, seed: int = 0):
         raw = _read_bytes(path)
-        if len(raw) < seq_len + 2:
+        if len(raw) < seq_len + 1:
             raise ValueError(
-                f"{path}: {len(raw)} bytes is too short for seq_len {seq_len} (need {seq_len + 2})"
+                f"{path}: {len(raw)} bytes is too short for seq_len {seq_len} (need {seq_len + 1})"
             )
         self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         self.seq_len, self.seed = seq_len, seed
 
     def sample(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        start = int(torch.randint(len(self.data) - self.seq_len - 1, (1,), generator=g))
+        start = _window_start(sample_generator(self.seed, index), len(self.data), self.seq_len)
         return self.data[start : start + self.seq_len + 1].long()
 
 
@@ -104,10 +119,10 @@ class TokenFile:
         width = 2 if dtype == "uint16" else 4
         if size % width:
             raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} ids")
-        if size // width < seq_len + 2:
+        if size // width < seq_len + 1:
             raise ValueError(
                 f"{path}: {size // width} tokens is too short for seq_len {seq_len} "
-                f"(need {seq_len + 2})"
+                f"(need {seq_len + 1})"
             )
         ids = np.dtype(dtype).newbyteorder("<")
         self.ids: Any = (
@@ -118,8 +133,7 @@ class TokenFile:
         self.path, self.seq_len, self.vocab_size, self.seed = path, seq_len, vocab_size, seed
 
     def sample(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        start = int(torch.randint(len(self.ids) - self.seq_len - 1, (1,), generator=g))
+        start = _window_start(sample_generator(self.seed, index), len(self.ids), self.seq_len)
         row = torch.from_numpy(self.ids[start : start + self.seq_len + 1].astype("int64"))
         if int(row.max()) >= self.vocab_size:  # the id itself is the file's content: not shown
             raise ValueError(
