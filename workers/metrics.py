@@ -50,7 +50,8 @@ FAMILIES = {
     "zeroservice_mfu": "model FLOPs utilisation of this rank over the last step (0-1)",
     "zeroservice_step_seconds": "optimizer step wall time",
     "zeroservice_tokens": "tokens this rank's replica consumed",
-    "zeroservice_loss": "loss of the last step on this rank",
+    "zeroservice_loss": "loss of the last step on this rank (over every replica with "
+    "engine.redundancy)",
     "zeroservice_loss_scale": "fp16 loss scale (1 otherwise)",
     "zeroservice_step": "optimizer steps completed",
     "zeroservice_restarts": "restarts of the job so far",

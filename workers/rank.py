@@ -124,6 +124,9 @@ class RankWorker:
         self._micro_batch = 0
         self._mp_ledgers: list[CommLedger] = []
         self.metrics_collectives: dict[tuple[str, str], dict[str, float]] = {}
+        self._collectives_before: dict[tuple[str, str], dict[str, float]] = {}
+        """The collectives' totals at the last step: the next one's bandwidth is of what
+        moved since."""
         self._last: dict[str, Any] = {}
         self.saved_step = -1
         self._busy = threading.Lock()
@@ -448,6 +451,8 @@ class RankWorker:
         metrics_port = self.metrics.serve(node_ip)
         self.metrics.update(restarts=restarts, workers=world, step=self.step, tokens=self.tokens)
         self._comm_start = self._comm_totals()  # start-up traffic is no step-phase's
+        self._collectives_before = {}
+        self._collectives()  # nor is it the first step's bandwidth
         self._start_step = self.step
         self._phase = RankPhase.READY
         if laps is not None:
@@ -533,6 +538,7 @@ class RankWorker:
         steps: list[dict[str, Any]] = []
         volume_per_step, seconds = 0, 0.0
         while self.step < until:
+            engine.reset_memory_peaks()  # the metrics report each step's own peaks
             t0 = time.perf_counter()
             volume0 = engine.comm_ledger().volume_elements()
             total = 0.0
@@ -653,6 +659,9 @@ class RankWorker:
         return int(peak)
 
     def _collectives(self) -> dict[tuple[str, str], dict[str, float]]:
+        """Per (op, group): payload bytes and seconds so far (the counters), and the bus
+        bandwidth of the collectives since the last call (the last step's; 0 for an op
+        the step did not issue)."""
         assert self.engine is not None
         out: dict[tuple[str, str], dict[str, float]] = {}
         sources = [("dp", self.engine.comm_ledger())] + [("mp", led) for led in self._mp_ledgers]
@@ -662,9 +671,14 @@ class RankWorker:
                 agg["bytes"] += stats.payload_bytes
                 agg["seconds"] += stats.seconds
                 agg["n"] = stats.world_size
-        for (op, _), agg in out.items():
-            bw = agg["bytes"] / agg["seconds"] if agg["seconds"] > 0 else 0.0
-            agg["busbw"] = bw * bus_factor(op, int(agg["n"]))
+        before, self._collectives_before = self._collectives_before, out
+        for key, agg in out.items():
+            b0, s0 = (before[key]["bytes"], before[key]["seconds"]) if key in before else (0, 0.0)
+            if agg["bytes"] < b0:  # a ledger started afresh (a new group): all of it is new
+                b0, s0 = 0, 0.0
+            moved, seconds = agg["bytes"] - b0, agg["seconds"] - s0
+            bw = moved / seconds if seconds > 0 else 0.0
+            agg["busbw"] = bw * bus_factor(key[0], int(agg["n"]))
         return out
 
     def _comm_totals(self) -> dict[tuple[str, str, str], tuple[int, float, int, int]]:

@@ -677,6 +677,15 @@ class Engine:
             quantization_scratch_peak=self.quant_scratch.peak,
         )
 
+    def reset_memory_peaks(self) -> None:
+        """Restart the ledger's ``gathered_peak`` and ``activations_peak`` from what is
+        held now: called before a step, the ledger then reports that step's peaks (a
+        job's metrics do), not the largest since the engine was built."""
+        if self.gatherer is not None:
+            self.gatherer.peak_live_elements = self.gatherer.live_elements
+        if self.activations is not None:
+            self.activations.reset_peak()
+
     def mp_ledger(self) -> comm.CommLedger | None:
         """The engine's collectives over the model-parallel group (None without MP)."""
         return self.mp.ledger if self.mp is not None else None

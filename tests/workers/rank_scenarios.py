@@ -147,3 +147,62 @@ def refuses_an_older_supervisors_calls(spec_json: str, root: str) -> dict:
         "failed": worker._failed,
         "newest": worker.settle(1).newest_checkpoint,
     }
+
+
+def metrics_of_a_step(spec_json: str, root: str) -> dict:
+    """A rank's exported gauges after one step of its loop that follows a larger batch
+    trained by hand: the memory peaks are that step's, the bus bandwidth its
+    collectives'."""
+    from workers.metrics import RankMetrics
+    from zeroservice.comm import bus_factor
+
+    worker = _worker(spec_json, root, restoring=False)
+    engine, spec = worker.engine, worker.spec
+    assert engine is not None
+    labels = {"job_id": "j", "rank": str(worker.rank), "dp_rank": "0", "mp_rank": "0", "node": "n"}
+    worker.metrics, worker.peak = RankMetrics(labels), 0.0
+    worker._comm_start, worker._start_step = worker._comm_totals(), 0
+    worker._collectives()  # the baseline setup takes: start-up traffic is no step's
+    x = torch.randint(0, spec.model.vocab_size, (8 * spec.micro_batch, spec.model.seq_len))
+    engine.backward(engine(x, x))
+    engine.step()
+    large = engine.memory_ledger()
+    before = {
+        (s.op, s.tag): (s.payload_bytes, s.seconds) for s in engine.comm_ledger().entries.values()
+    }
+    worker._collectives()  # the hand-trained step is not the loop's either
+    worker._train(1)
+    after = engine.memory_ledger()
+    expected_busbw: dict[str, float] = {}
+    moved: dict[str, tuple[int, float, int]] = {}
+    for s in engine.comm_ledger().entries.values():
+        b0, s0 = before.get((s.op, s.tag), (0, 0.0))
+        b, sec, _ = moved.get(s.op, (0, 0.0, 0))
+        moved[s.op] = (b + s.payload_bytes - b0, sec + s.seconds - s0, s.world_size)
+    for op, (b, sec, n) in moved.items():
+        expected_busbw[op] = b / sec * bus_factor(op, n) if sec > 0 else 0.0
+    exported = {
+        (
+            fam,
+            tuple(sorted((k, v) for k, v in sample.labels.items() if k not in labels)),
+        ): sample.value
+        for fam_obj in worker.metrics.registry.collect()
+        for fam in [fam_obj.name]
+        for sample in fam_obj.samples
+    }
+    engine.close()
+    return {
+        "large": (large.activations_peak, large.gathered_peak),
+        "after": (after.activations_peak, after.gathered_peak),
+        "exported_memory": {
+            kind: exported[("zeroservice_memory_bytes", (("kind", kind),))]
+            for kind in ("activations", "gathered")
+        },
+        "busbw": {
+            op: exported[
+                ("zeroservice_collective_busbw_bytes_per_second", (("group", "dp"), ("op", op)))
+            ]
+            for op in moved
+        },
+        "expected_busbw": expected_busbw,
+    }

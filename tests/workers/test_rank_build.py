@@ -65,3 +65,16 @@ def test_a_rank_refuses_the_calls_of_a_supervisor_older_than_the_one_that_settle
     assert r["kept_engine"], "a refused re-forming left its group"
     assert r["then"] == [3] and r["saved"].endswith("step-00000003") and r["failed"] == ""
     assert r["newest"] == (3, r["saved"])
+
+
+def test_a_steps_exported_peaks_and_bandwidth_are_its_own(tmp_path):
+    """After a step of 8x the batch trained by hand, the loop's next step exports its
+    own activation and gathered peaks (below the large step's) and the bus bandwidth of
+    its own collectives (the start-up broadcast: none)."""
+    spec = tiny_job(engine={"stage": 3, "bucket_elements": 4096, "activation_checkpointing": True})
+    for r in run_local(rs.metrics_of_a_step, 2, spec.model_dump_json(), str(tmp_path)):
+        assert r["after"][0] < r["large"][0] and r["after"][1] <= r["large"][1], r
+        assert tuple(r["exported_memory"].values()) == r["after"]
+        assert r["busbw"]["broadcast"] == 0.0
+        assert r["busbw"] == r["expected_busbw"]
+        assert r["busbw"]["all_gather"] > 0
