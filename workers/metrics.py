@@ -49,7 +49,7 @@ FAMILIES = {
     "zeroservice_tflops": "achieved TFLOPS of this rank over the last step",
     "zeroservice_mfu": "model FLOPs utilisation of this rank over the last step (0-1)",
     "zeroservice_step_seconds": "optimizer step wall time",
-    "zeroservice_tokens": "tokens this rank's replica consumed",
+    "zeroservice_tokens": "tokens this rank's replica trained since its process started",
     "zeroservice_loss": "loss of the last step on this rank (over every replica with "
     "engine.redundancy)",
     "zeroservice_loss_scale": "fp16 loss scale (1 otherwise)",

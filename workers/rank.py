@@ -119,6 +119,11 @@ class RankWorker:
         self.metrics: RankMetrics | None = None
         self.step = 0
         self.tokens = 0
+        self.tokens_trained = 0
+        """Tokens this process trained, steps trained again included: the counter a
+        scrape sees, so that it never goes back when a restart or a restore from peers
+        rolls ``tokens`` (the job's position) back, which Prometheus would read as a
+        counter reset and count the job's tokens again."""
         self._lock = threading.Lock()
         self._phase = RankPhase.CREATED
         self._micro_batch = 0
@@ -449,7 +454,9 @@ class RankWorker:
             }
         )
         metrics_port = self.metrics.serve(node_ip)
-        self.metrics.update(restarts=restarts, workers=world, step=self.step, tokens=self.tokens)
+        self.metrics.update(
+            restarts=restarts, workers=world, step=self.step, tokens=self.tokens_trained
+        )
         self._comm_start = self._comm_totals()  # start-up traffic is no step-phase's
         self._collectives_before = {}
         self._collectives()  # nor is it the first step's bandwidth
@@ -565,6 +572,7 @@ class RankWorker:
             volume_per_step = engine.comm_ledger().volume_elements() - volume0
             self.step += 1
             self.tokens += tokens_per_step
+            self.tokens_trained += tokens_per_step
             peak = self._publish(total, seconds, tokens_per_step, report.loss_scale)
             losses[self.step] = total
             steps.append(
@@ -645,7 +653,7 @@ class RankWorker:
             loss=loss,
             loss_scale=loss_scale,
             step=self.step,
-            tokens=self.tokens,
+            tokens=self.tokens_trained,
         )
         busbw = {f"{op}/{group}": c["busbw"] for (op, group), c in self.metrics_collectives.items()}
         self._last = {

@@ -171,6 +171,7 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
         (s.op, s.tag): (s.payload_bytes, s.seconds) for s in engine.comm_ledger().entries.values()
     }
     worker._collectives()  # the hand-trained step is not the loop's either
+    worker.tokens = 10**6  # the job's position, as a restart restores it
     worker._train(1)
     after = engine.memory_ledger()
     expected_busbw: dict[str, float] = {}
@@ -205,4 +206,6 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
             for op in moved
         },
         "expected_busbw": expected_busbw,
+        "tokens": exported[("zeroservice_tokens", ())],
+        "tokens_per_step": worker._tokens_per_step(),
     }

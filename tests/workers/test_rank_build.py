@@ -70,7 +70,8 @@ def test_a_rank_refuses_the_calls_of_a_supervisor_older_than_the_one_that_settle
 def test_a_steps_exported_peaks_and_bandwidth_are_its_own(tmp_path):
     """After a step of 8x the batch trained by hand, the loop's next step exports its
     own activation and gathered peaks (below the large step's) and the bus bandwidth of
-    its own collectives (the start-up broadcast: none)."""
+    its own collectives (the start-up broadcast: none); the tokens counter counts what
+    the process trained, from 0 whatever position the job resumed at."""
     spec = tiny_job(engine={"stage": 3, "bucket_elements": 4096, "activation_checkpointing": True})
     for r in run_local(rs.metrics_of_a_step, 2, spec.model_dump_json(), str(tmp_path)):
         assert r["after"][0] < r["large"][0] and r["after"][1] <= r["large"][1], r
@@ -78,3 +79,5 @@ def test_a_steps_exported_peaks_and_bandwidth_are_its_own(tmp_path):
         assert r["busbw"]["broadcast"] == 0.0
         assert r["busbw"] == r["expected_busbw"]
         assert r["busbw"]["all_gather"] > 0
+        # The tokens counter is this process's training, not the job's restored position.
+        assert r["tokens"] == r["tokens_per_step"]
