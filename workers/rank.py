@@ -379,6 +379,13 @@ class RankWorker:
 
     def _build(self, restoring: bool) -> None:
         spec, topo, use_cuda = self.spec, self.topo, self.use_cuda
+        try:  # first: a data file that cannot serve is known before any model is built
+            self.dataset = build_dataset(spec)
+        except (FileNotFoundError, ValueError) as exc:
+            # Missing, too short, of the wrong size: every start would fail alike, so
+            # the job fails at once naming the field (as a configuration the engine
+            # refuses), not after its restart budget.
+            raise zeroservice.ConfigError(f"data.path: {exc}") from exc
         model, init = build_model(spec, topo.mp_group, restoring)
         if use_cuda and init is None:
             model.cuda()
@@ -389,7 +396,6 @@ class RankWorker:
         # Model-parallel collectives: the tensor-parallel layers' and the engine's own.
         engine_mp = engine.mp_ledger()
         self._mp_ledgers = [g.ledger for g in tp_groups] + ([engine_mp] if engine_mp else [])
-        self.dataset = build_dataset(spec)
         self.live = getattr(engine.config, "redundancy", "none") != "none"
         self.flops_per_token = flops_per_token(spec, model, engine.psi) / spec.resources.mp
         self.export_prefix = getattr(model, "export_prefix", "")

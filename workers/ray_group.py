@@ -365,8 +365,13 @@ class RayWorkerGroup:
             ]
             setups = ray.get(refs, timeout=timeout)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            late = (
+                f" within timeouts.bootstrap_s ({timeout:g} s)"
+                if isinstance(exc, GetTimeoutError)
+                else ""
+            )
             raise GroupStartFailed(
-                f"re-forming {self.world} ranks failed: {short(exc)}",
+                f"re-forming {self.world} ranks failed{late}: {short(exc)}",
                 refused=refused_by_engine([exc]),
             ) from None
         self.addresses = addresses
@@ -562,8 +567,14 @@ class RayWorkerPool:
             self._setup(group, restarts)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:
             group.shutdown(clean=False)
+            late = (
+                f" within timeouts.bootstrap_s ({self.spec.timeouts.bootstrap_s:g} s)"
+                if isinstance(exc, GetTimeoutError)
+                else ""
+            )
             raise GroupStartFailed(
-                f"starting {world} ranks failed: {short(exc)}", refused=refused_by_engine([exc])
+                f"starting {world} ranks failed{late}: {short(exc)}",
+                refused=refused_by_engine([exc]),
             ) from None
         except BaseException:
             group.shutdown(clean=False)

@@ -293,8 +293,9 @@ class CheckpointSpec(_Strict):
 
 
 class TimeoutsSpec(_Strict):
-    bootstrap_s: float = Field(120.0, gt=0, le=3600)
-    """Placement and process-group start-up must finish within this."""
+    bootstrap_s: float = Field(120.0, ge=5, le=3600)
+    """Placement and process-group start-up must finish within this (at least 5 s: a
+    rank's process alone takes seconds to start, so no start would succeed below)."""
     step_s: float = Field(300.0, gt=0, le=86_400)
     """A rank that makes no progress for this long is declared stalled (watchdog)."""
 

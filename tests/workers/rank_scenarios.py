@@ -209,3 +209,14 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
         "tokens": exported[("zeroservice_tokens", ())],
         "tokens_per_step": worker._tokens_per_step(),
     }
+
+
+def set_up_error(spec_json: str, root: str) -> str:
+    """What a rank's set-up raises (its type and message), or "" when it builds."""
+    try:
+        worker = _worker(spec_json, root, restoring=False)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    assert worker.engine is not None
+    worker.engine.close()
+    return ""

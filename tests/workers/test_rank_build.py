@@ -81,3 +81,21 @@ def test_a_steps_exported_peaks_and_bandwidth_are_its_own(tmp_path):
         assert r["busbw"]["all_gather"] > 0
         # The tokens counter is this process's training, not the job's restored position.
         assert r["tokens"] == r["tokens_per_step"]
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        ({"kind": "tokens", "path": "missing.bin"}, "missing.bin: no such file"),
+        ({"kind": "text", "path": "short.txt"}, "is too short for seq_len"),
+        ({"kind": "tokens", "path": "odd.bin"}, "is not a whole number of uint16 ids"),
+    ],
+)
+def test_data_that_cannot_serve_is_the_jobs_configuration_error(tmp_path, data, said):
+    """Every start would fail alike: the engine's ConfigError, which fails the job at
+    once naming the field (workers/worker_group.py refused_by_engine), not a restart."""
+    (tmp_path / "short.txt").write_bytes(b"abc")
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 101)
+    spec = tiny_job(data={**data, "path": str(tmp_path / data["path"])})
+    (error,) = run_local(rs.set_up_error, 1, spec.model_dump_json(), str(tmp_path / "ckpt"))
+    assert error.startswith("ConfigError: data.path: ") and said in error, error

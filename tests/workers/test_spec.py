@@ -76,6 +76,7 @@ def _error(body) -> str:
         ({"optimizer": {"lr": -1}}, "optimizer.lr"),
         ({"optimizer": {"betas": [0.9, 1.5]}}, "beta"),
         ({"timeouts": {"step_s": 0}}, "timeouts.step_s"),
+        ({"timeouts": {"bootstrap_s": 0.001}}, "timeouts.bootstrap_s"),
         ({"name": "bad/name"}, "name"),
         ({"name": "   "}, "name"),
         (
