@@ -72,7 +72,7 @@ def test_output_to_a_reader_that_went_away_ends_quietly():
     status of a process ended by SIGPIPE and no traceback."""
     read, write = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zscli.cli", "plan", "--params", "1e9", "--paper"],
+        [sys.executable, "-m", "zscli.cli", "plan", "--paper"],
         stdout=write,
         stderr=subprocess.PIPE,
         cwd=Path(__file__).parents[1],

@@ -59,6 +59,7 @@ _FLAGS = {
     "memory_per_rank": "--memory-per-rank",
     "margin": "--margin",
     "model": "--params or --gpt-layers/--gpt-dim/--gpt-heads",
+    "mlp_ratio": "--gpt-mlp-ratio",
 }
 
 
@@ -109,13 +110,22 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         help="the GPT's head and loss in this many vocabulary tiles (default 1: at once)",
     )
+    model.add_argument("--gpt-mlp-ratio", type=int, help="MLP width / hidden size (default 4)")
+    model.add_argument(
+        "--gpt-untied", action="store_true", help="an output head of its own (default: tied)"
+    )
+    model.add_argument("--gpt-no-bias", action="store_true", help="linear layers without bias")
     run = p.add_argument_group("configuration")
     run.add_argument("--dp", type=int, help="data-parallel ranks N_d")
     run.add_argument(
         "--mp", type=int, help="model-parallel ranks N_m (default 1; with --auto: chosen)"
     )
     run.add_argument("--stage", type=int, help="ZeRO stage 0-3")
-    run.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    run.add_argument(
+        "--precision",
+        help="fp32, bf16 or fp16 (default: bf16, the paper's mixed precision; with --auto "
+        "fp32, the engine's default, as POST /v1/plan and auto_configure)",
+    )
     run.add_argument("--optimizer-bytes", type=int, default=8, help="per element (Adam: 8)")
     run.add_argument(
         "--bucket-elements",
@@ -165,6 +175,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from zeroservice import planner
 
     try:
+        _check_mode(args)
+        if args.precision is None:
+            args.precision = "fp32" if args.auto else "bf16"
         if args.paper:
             return _paper(args)
         model = _model(args)
@@ -177,6 +190,75 @@ def run_plan(args: argparse.Namespace) -> int:
         field, _, rest = str(exc).partition(": ")
         print(f"zeroservice plan: {_FLAGS.get(field, field)}: {rest}", file=sys.stderr)
     return 2
+
+
+_MODEL = {
+    "params",
+    "gpt_layers",
+    "gpt_dim",
+    "gpt_heads",
+    "vocab",
+    "seq",
+    "vocab_tiles",
+    "gpt_mlp_ratio",
+    "gpt_untied",
+    "gpt_no_bias",
+}
+_PLAN = {
+    "dp",
+    "mp",
+    "stage",
+    "precision",
+    "optimizer_bytes",
+    "bucket_elements",
+    "micro_batch",
+    "offload_optimizer",
+    "checkpoint_activations",
+    "partition_activations",
+    "cpu_offload_activations",
+    "quantized_weights",
+    "quantized_gradients",
+    "hierarchical_partition",
+    "ranks_per_node",
+    "quantization_block",
+}
+_USED = {
+    "--paper": set(),
+    "--auto": _MODEL
+    | {"ranks", "memory_per_rank", "precision", "micro_batch", "mp"}
+    | {"margin", "device"},
+    "--recommend": _MODEL
+    | {"ranks", "devices_per_node", "device_memory", "precision", "seq", "micro_batch"}
+    | {"optimizer_bytes", "offload_optimizer", "partition_activations"}
+    | {"cpu_offload_activations", "bucket_elements", "headroom"},
+    "": _MODEL | _PLAN,
+}
+"""The flags each mode reads (by argparse dest): one given to a mode that does not read
+it is refused, not ignored (``--stage 2 --auto`` would print a choice that is not
+stage 2)."""
+_DEFAULTS = {
+    "optimizer_bytes": 8,
+    "quantized_gradients": "none",
+    "quantization_block": 256,
+    "headroom": 0.9,
+    "margin": 0.10,
+    "device": "cpu",
+}
+"""Flags whose absence is a value: given is when they differ from it."""
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    modes = [m for m in ("--paper", "--auto", "--recommend") if getattr(args, m[2:])]
+    if len(modes) > 1:
+        raise _UsageError(f"{modes[1]}: not with {modes[0]} (one mode at a time)")
+    mode = modes[0] if modes else ""
+    for dest in sorted(set().union(*_USED.values()) | set(_DEFAULTS)):
+        value = getattr(args, dest)
+        given = value != _DEFAULTS[dest] if dest in _DEFAULTS else value not in (None, False)
+        if given and dest not in _USED[mode]:
+            flag = "--" + dest.replace("_", "-")
+            where = f"with {mode}" if mode else "in a plan (give --auto or --recommend)"
+            raise _UsageError(f"{flag}: not used {where}")
 
 
 def _auto(args: argparse.Namespace, model: planner.ModelSpec) -> int:
@@ -221,8 +303,14 @@ def _model(args: argparse.Namespace) -> planner.ModelSpec:
         missing = ", ".join(f for f in shape if f not in given)
         raise _UsageError(f"{missing}: required with {', '.join(given)}")
     if args.params is not None:
-        if args.vocab_tiles is not None:
-            raise _UsageError("--vocab-tiles: describes the reference GPT, not --params")
+        for flag, value in (
+            ("--vocab-tiles", args.vocab_tiles),
+            ("--gpt-mlp-ratio", args.gpt_mlp_ratio),
+            ("--gpt-untied", args.gpt_untied or None),
+            ("--gpt-no-bias", args.gpt_no_bias or None),
+        ):
+            if value is not None:
+                raise _UsageError(f"{flag}: describes the reference GPT, not --params")
         return planner.ModelSpec(
             args.params, args.gpt_layers, args.gpt_dim, args.gpt_heads, args.seq, args.vocab
         )
@@ -232,6 +320,9 @@ def _model(args: argparse.Namespace) -> planner.ModelSpec:
 
     fields: dict[str, Any] = {"n_layer": args.gpt_layers, "dim": args.gpt_dim}
     fields["n_head"] = args.gpt_heads
+    fields["tie_weights"], fields["bias"] = not args.gpt_untied, not args.gpt_no_bias
+    if args.gpt_mlp_ratio is not None:
+        fields["mlp_ratio"] = args.gpt_mlp_ratio
     if args.vocab is not None:
         fields["vocab_size"] = args.vocab
     if args.seq is not None:

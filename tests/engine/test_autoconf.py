@@ -61,6 +61,46 @@ def test_cli_auto(capsys):
     assert "nothing fits" in capsys.readouterr().err
     assert main(["plan", "--auto", *shape, "--ranks", "2"]) == 2
     assert "--memory-per-rank" in capsys.readouterr().err
+    # Without --precision, auto plans the engine's default (fp32), as REST does.
+    assert main([*run, "--memory-per-rank", "70MiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["choice"]["engine"]["precision"] == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("mode", "flag"),
+    [
+        (["--auto", "--ranks", "2", "--memory-per-rank", "1GiB"], ["--stage", "2"]),
+        (["--auto", "--ranks", "2", "--memory-per-rank", "1GiB"], ["--offload-optimizer"]),
+        (["--auto", "--ranks", "2", "--memory-per-rank", "1GiB"], ["--headroom", "0.5"]),
+        (["--auto", "--ranks", "2", "--memory-per-rank", "1GiB"], ["--recommend"]),
+        (["--dp", "2", "--stage", "1"], ["--margin", "0.2"]),
+        (["--dp", "2", "--stage", "1"], ["--ranks", "4"]),
+        (["--paper"], ["--dp", "2"]),
+    ],
+)
+def test_cli_refuses_a_flag_its_mode_does_not_read(capsys, mode, flag):
+    """A flag a mode ignored was silently dropped: `--auto --stage 2` printed a choice
+    that was not stage 2."""
+    shape = ["--gpt-layers", "2", "--gpt-dim", "64", "--gpt-heads", "4"]
+    assert main(["plan", *shape, *mode, *flag]) == 2
+    assert f"zeroservice plan: {flag[0]}: not " in capsys.readouterr().err
+
+
+def test_cli_describes_an_untied_biasless_gpt_as_the_api_does(capsys):
+    """The CLI planned the tied model whatever the job: 27% fewer model-state bytes."""
+    from zeroservice import planner
+
+    shape = ["--gpt-layers", "2", "--gpt-dim", "64", "--gpt-heads", "4", "--vocab", "512"]
+    extra = ["--gpt-untied", "--gpt-no-bias", "--gpt-mlp-ratio", "2"]
+    assert main(["plan", *shape, *extra, "--dp", "2", "--stage", "1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    cfg = GPTConfig(
+        vocab_size=512, n_layer=2, dim=64, n_head=4, tie_weights=False, bias=False, mlp_ratio=2
+    )
+    want = planner.plan(cfg, dp=2, stage=1)
+    assert got["model_states"] == want.model_states and got["psi"] == cfg.num_params()
+    assert main(["plan", "--params", "1e6", "--gpt-untied", "--dp", "2", "--stage", "1"]) == 2
+    assert "--gpt-untied: describes the reference GPT" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
