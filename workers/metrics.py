@@ -41,7 +41,7 @@ FAMILIES = {
     "the device allocator on CUDA, the process on CPU)",
     "zeroservice_memory_expected_bytes": "model-state bytes the paper's formula predicts",
     "zeroservice_model_state_bytes": "model-state bytes the engine holds (params+grads+master+"
-    "optimizer)",
+    "optimizer states)",
     "zeroservice_collective_bytes": "payload bytes moved by collectives, by op and group",
     "zeroservice_collective_seconds": "seconds spent in collectives, by op and group",
     "zeroservice_collective_busbw_bytes_per_second": "bus bandwidth of the last step's "
