@@ -90,6 +90,22 @@ def get_targets_reader(service: ServiceDep, db: SessionDep, token: BearerToken) 
 
 TargetsReader = Annotated[Principal | None, Depends(get_targets_reader)]
 
+
+def check_metrics_reader(service: ServiceDep, db: SessionDep, token: BearerToken) -> None:
+    """The control plane's own metrics name every tenant's active jobs (their ids and
+    ranks): where the service has a metrics token (every deployment in deploy/ sets
+    one), only it and an admin token read them; without one (a local stack) anyone
+    that reaches the port does."""
+    metrics = service.settings.metrics_token
+    if metrics is None:
+        return
+    if token and hmac.compare_digest(token.encode(), metrics.encode()):
+        return
+    get_admin(get_principal(service, db, token))
+
+
+MetricsReader = Depends(check_metrics_reader)
+
 JobId = Annotated[str, PathParam(min_length=1, max_length=64)]
 
 

@@ -1,4 +1,5 @@
-"""Liveness, readiness and the control plane's Prometheus metrics (no token)."""
+"""Liveness and readiness (no token), and the control plane's Prometheus metrics (the
+metrics token or an admin's, where the service has a metrics token)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
-from ..deps import ServiceDep, SessionDep
+from ..deps import MetricsReader, ServiceDep, SessionDep
 from ..responses import ANY_REQUEST, errors
 
 router = APIRouter(tags=["health"], responses=errors(*ANY_REQUEST))
@@ -47,7 +48,11 @@ def readyz(service: ServiceDep, db: SessionDep) -> JSONResponse:
 @router.get(
     "/metrics",
     response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
+    dependencies=[MetricsReader],
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"},
+        **errors(401, 403, 429),
+    },
 )
 def metrics(service: ServiceDep) -> Response:
     return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -126,6 +126,32 @@ def test_the_metrics_token_reads_the_targets_and_nothing_else(database_url, tmp_
         h.service.engine.dispose()
 
 
+def test_the_control_planes_metrics_are_read_with_the_metrics_or_an_admin_token(
+    database_url, tmp_path
+):
+    """They name every tenant's jobs: with a metrics token set, a tenant's token is 403
+    and none 401; without one (a local stack) they stay open."""
+    metrics = "zs_metrics-read-only-0123456789abcdef"
+    h = Harness(database_url, tmp_path / "data", metrics_token=metrics)
+    try:
+        alice = h.headers(h.tenant_token("alice"))
+        h.client.post("/v1/jobs", json={"spec": _TINY}, headers=alice)
+        assert h.client.get("/metrics", headers=h.headers(metrics)).status_code == 200
+        assert h.client.get("/metrics", headers=h.headers(h.admin)).status_code == 200
+        assert h.client.get("/metrics", headers=alice).status_code == 403
+        assert h.client.get("/metrics").status_code == 401
+        assert h.client.get("/metrics", headers=h.headers("zs_wrong")).status_code == 401
+    finally:
+        h.client.close()
+        h.service.engine.dispose()
+    open_stack = Harness(database_url, tmp_path / "data2")
+    try:
+        assert open_stack.client.get("/metrics").status_code == 200
+    finally:
+        open_stack.client.close()
+        open_stack.service.engine.dispose()
+
+
 def test_revocations_sent_at_once_count_the_token_once(database_url, tmp_path):
     """Eight revocations of one token through a real server: one answers that it
     revoked it, the others that no live token has that id."""

@@ -30,6 +30,8 @@ def _prometheus_config(api: str, token_file: Path) -> dict:
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     for job in config["scrape_configs"]:
+        if "authorization" in job:
+            job["authorization"]["credentials_file"] = str(token_file)
         for static in job.get("static_configs", []):
             static["targets"] = [api]
         for sd in job.get("http_sd_configs", []):
