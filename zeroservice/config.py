@@ -158,7 +158,8 @@ class LossScaleConfig:
     min_scale: float = 1.0
     """The scale never drops below this value."""
     hysteresis: int = 1
-    """Overflows tolerated before the scale backs off (the step is skipped every time)."""
+    """Overflows tolerated before the scale first backs off (the step is skipped every
+    time); after that every overflow backs off until the scale next grows."""
 
     def __post_init__(self) -> None:
         _check_types(self, "loss_scale.")

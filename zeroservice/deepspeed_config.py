@@ -355,7 +355,7 @@ def _activations(ds: dict[str, Any], out: dict[str, Any]) -> None:
     section = _section(ds, "activation_checkpointing", "")
     _refuse_unknown(section, _ACTIVATIONS, where)
     for key in ("number_checkpoints", "synchronize_checkpoint_boundary", "profile"):
-        if section.get(key) not in (None, False):
+        if section.get(key) is not None and section[key] is not False:  # 0 is no false
             raise ConfigError(
                 f"{where}{key}={section[key]!r}: not supported (every block is checkpointed)"
             )
@@ -379,6 +379,8 @@ def _precision(ds: dict[str, Any], out: dict[str, Any]) -> None:
         if _real(fp16_section, "loss_scale", "fp16.", 0.0) != 0:
             raise ConfigError("fp16.loss_scale: only dynamic loss scaling (0) is supported")
         power = _integer(fp16_section, "initial_scale_power", "fp16.", 16)
+        if power > 64:  # 2^1024 overflows a float; beyond 2^64 no fp16 gradient fits anyway
+            raise ConfigError(f"fp16.initial_scale_power={power}: at most 64")
         out["loss_scale"] = LossScaleConfig(
             initial_scale=2.0**power,
             growth_interval=_integer(fp16_section, "loss_scale_window", "fp16.", 1000, 1),
@@ -399,28 +401,46 @@ def _precision(ds: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def _batch(ds: dict[str, Any], out: dict[str, Any], world_size: int | None) -> None:
+    """DeepSpeed's batch arithmetic (train_batch_size = micro x accumulation x world):
+    what is left out is derived from the rest, as DeepSpeed derives it, and values that
+    cannot agree are refused naming them. Without ``world_size`` a train_batch_size
+    needs gradient_accumulation_steps (the micro-batch and the world are not known)."""
     accum = _integer(ds, "gradient_accumulation_steps", "", minimum=1)
     micro = _integer(ds, "train_micro_batch_size_per_gpu", "", minimum=1)
     total = _integer(ds, "train_batch_size", "", minimum=1)
-    if total is not None and micro is not None and world_size is not None:
-        per_step = micro * world_size
-        if accum is None:
+    if total is not None and world_size is not None:
+        if micro is None:
+            accum = accum or 1
+            if total % (accum * world_size):
+                raise ConfigError(
+                    f"train_batch_size={total} is not a multiple of "
+                    f"gradient_accumulation_steps {accum} x world size {world_size}"
+                )
+            micro = total // (accum * world_size)
+        elif accum is None:
+            per_step = micro * world_size
             if total % per_step:
                 raise ConfigError(
                     f"train_batch_size={total} is not a multiple of "
                     f"train_micro_batch_size_per_gpu x world size = {per_step}"
                 )
             accum = total // per_step
-        elif total != per_step * accum:
+        elif total != micro * accum * world_size:
             raise ConfigError(
                 f"train_batch_size={total} != train_micro_batch_size_per_gpu {micro} x "
                 f"gradient_accumulation_steps {accum} x world size {world_size}"
             )
-    elif total is not None and (micro is None or world_size is None) and accum is None:
-        raise ConfigError(
-            "train_batch_size: also give train_micro_batch_size_per_gpu and world_size, "
-            "or gradient_accumulation_steps"
-        )
+    elif total is not None:
+        if accum is None:
+            raise ConfigError(
+                "train_batch_size: also give train_micro_batch_size_per_gpu and world_size, "
+                "or gradient_accumulation_steps"
+            )
+        if micro is not None and total % (micro * accum):
+            raise ConfigError(
+                f"train_batch_size={total} is not a multiple of train_micro_batch_size_per_gpu "
+                f"{micro} x gradient_accumulation_steps {accum}: no world size agrees"
+            )
     if accum is not None:
         out["gradient_accumulation_steps"] = accum
     if micro is not None:
@@ -439,10 +459,14 @@ def _optimizer(ds: dict[str, Any]) -> OptimizerFactory | None:
     kind = (_text(section, "type", "optimizer.", "") or "").lower()
     where = "optimizer.params."
     raw = _section(section, "params", "optimizer.")
+    defaults: dict[str, Any] = {}
     if kind in ("adam", "adamw"):
         # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false.
         decoupled = _flag(raw, "adam_w_mode", where, True) if kind == "adam" else True
-        _flag(raw, "torch_adam", where, False)
+        if not _flag(raw, "torch_adam", where, False):
+            # DeepSpeed's own Adam (FusedAdam, or DeepSpeedCPUAdam under offload) decays
+            # nothing unless told; torch's AdamW, built here, would decay by 0.01.
+            defaults["weight_decay"] = 0.0
         allowed = _ADAM | ({"adam_w_mode", "torch_adam"} if kind == "adam" else {"torch_adam"})
         _refuse_unknown(raw, allowed, where)
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW if decoupled else torch.optim.Adam
@@ -452,7 +476,7 @@ def _optimizer(ds: dict[str, Any]) -> OptimizerFactory | None:
         cls, keys = torch.optim.SGD, _SGD
     else:
         raise ConfigError(f"optimizer.type={section.get('type')!r}: supported are Adam, AdamW, SGD")
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = dict(defaults)
     for key in sorted(keys & set(raw)):
         if key in ("amsgrad", "nesterov"):
             params[key] = _flag(raw, key, where, False)

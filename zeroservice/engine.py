@@ -555,6 +555,13 @@ class Engine:
         self.last_report = StepReport(
             not result.skipped, result.grad_norm, result.skipped, factor, scale
         )
+        if self.scaler is not None and self.scaler.exhausted:
+            raise RuntimeError(
+                f"step: the fp16 gradients overflowed at the minimum loss scale "
+                f"({self.scaler.scale:g}, loss_scale.min_scale): no scale keeps them finite, "
+                "the run has diverged (the step was skipped, the engine is consistent). "
+                "Lower the learning rate, clip gradients, or train in bf16"
+            )
         return self.last_report
 
     def _take_stray_gradients(self, where: str) -> None:

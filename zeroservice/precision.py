@@ -70,6 +70,12 @@ class DynamicLossScaler:
     An overflow on any rank is agreed by all ranks before this is called (the engine
     all-reduces the gradient norm, which is non-finite on every rank if any rank
     overflowed), so every rank skips the same steps and keeps the same scale.
+
+    Hysteresis as DeepSpeed's (its default, non-consecutive) and Megatron-LM's scalers
+    keep it: ``hysteresis`` overflows back the scale off the first time, and from then
+    every overflow backs it off until the scale next grows, which restores the
+    allowance. An overflow that would back off below ``min_scale`` sets ``exhausted``:
+    the scale can no longer keep the gradients finite (the engine stops the run).
     """
 
     config: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -77,6 +83,8 @@ class DynamicLossScaler:
     clean_steps: int = 0
     hysteresis_left: int = 0
     skipped_steps: int = 0
+    exhausted: bool = False
+    """The last overflow came with the scale at ``min_scale`` already."""
 
     def __post_init__(self) -> None:
         if self.scale == 0.0:
@@ -85,13 +93,14 @@ class DynamicLossScaler:
 
     def update(self, overflow: bool) -> None:
         cfg = self.config
+        self.exhausted = False
         if overflow:
             self.skipped_steps += 1
             self.clean_steps = 0
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
+            self.hysteresis_left = max(self.hysteresis_left - 1, 0)
+            if self.hysteresis_left == 0:
+                self.exhausted = self.scale <= cfg.min_scale
                 self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
-                self.hysteresis_left = cfg.hysteresis
             return
         self.clean_steps += 1
         if self.clean_steps % cfg.growth_interval == 0:

@@ -307,6 +307,15 @@ def test_deepspeed_auto_values_are_refused_saying_who_fills_them_in(ds, name):
         ({"gradient_predivide_factor": 0}, "gradient_predivide_factor=0: must be a finite"),
         ({"gradient_predivide_factor": True}, "gradient_predivide_factor=True: must be a"),
         ({"prescale_gradients": 1}, "prescale_gradients=1: must"),
+        (
+            {"fp16": {"enabled": True, "initial_scale_power": 2000}},
+            "fp16.initial_scale_power=2000: at most 64",
+        ),
+        (
+            {"activation_checkpointing": {"synchronize_checkpoint_boundary": 0}},
+            "synchronize_checkpoint_boundary=0: not supported",
+        ),
+        ({"activation_checkpointing": {"profile": 0}}, "profile=0: not supported"),
     ],
 )
 def test_deepspeed_values_of_the_wrong_type_are_refused_by_key(ds, message):
@@ -342,6 +351,56 @@ def test_deepspeed_keys_without_effect_are_accepted_listed_and_warned():
     assert settings.config == from_deepspeed({"zero_optimization": zero}).config
 
 
+def test_deepspeed_adam_decays_nothing_unless_told():
+    """DeepSpeed's Adam (FusedAdam, DeepSpeedCPUAdam) defaults weight_decay to 0; torch's
+    AdamW, built here, to 0.01. With torch_adam DeepSpeed builds torch's own."""
+    shard = [nn.Parameter(torch.zeros(3))]
+    for kind in ("Adam", "AdamW"):
+        opt = from_deepspeed({"optimizer": {"type": kind, "params": {"lr": 1e-3}}}).optimizer
+        assert opt(shard).defaults["weight_decay"] == 0.0, kind
+    torch_adam = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    assert (
+        from_deepspeed({"optimizer": torch_adam}).optimizer(shard).defaults["weight_decay"]
+        == torch.optim.AdamW(shard).defaults["weight_decay"]
+    )
+    given = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
+    assert from_deepspeed({"optimizer": given}).optimizer(shard).defaults["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("ds", "world", "accum", "micro"),
+    [
+        ({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 2, 2, 4),
+        ({"train_batch_size": 16}, 2, 1, 8),
+        ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, 2, 2, 4),
+    ],
+)
+def test_deepspeed_batch_sizes_derive_what_is_left_out(ds, world, accum, micro):
+    cfg = from_deepspeed(ds, world_size=world).config
+    assert (cfg.gradient_accumulation_steps, cfg.train_micro_batch_size) == (accum, micro)
+
+
+@pytest.mark.parametrize(
+    ("ds", "world"),
+    [
+        ({"train_batch_size": 10, "gradient_accumulation_steps": 4}, 2),
+        ({"train_batch_size": 3, "gradient_accumulation_steps": 2}, 2),
+        ({"train_batch_size": 3}, 2),
+        (
+            {
+                "train_batch_size": 16,
+                "gradient_accumulation_steps": 3,
+                "train_micro_batch_size_per_gpu": 4,
+            },
+            None,
+        ),
+    ],
+)
+def test_deepspeed_batch_sizes_that_cannot_agree_are_refused(ds, world):
+    with pytest.raises(ConfigError, match="^train_batch_size=.* is not a multiple"):
+        from_deepspeed(ds, world_size=world)
+
+
 def test_deepspeed_batch_size_inconsistent_with_world():
     with pytest.raises(ConfigError, match="train_batch_size=30"):
         from_deepspeed({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=2)
@@ -363,13 +422,21 @@ def test_loss_scaler_backs_off_with_hysteresis_and_grows_back():
     assert s.scale == 64 and s.skipped_steps == 1
     s.update(overflow=True)
     assert s.scale == 32 and s.skipped_steps == 2
+    s.update(overflow=True)  # spent: every overflow backs off until the scale grows
+    assert s.scale == 16 and s.skipped_steps == 3
     s.update(overflow=False)
     s.update(overflow=False)
-    assert s.scale == 64
+    assert s.scale == 32
+    s.update(overflow=True)  # growth restored the allowance (DeepSpeed, Megatron-LM)
+    assert s.scale == 32 and not s.exhausted
     s2 = DynamicLossScaler(LossScaleConfig(initial_scale=2, min_scale=1))
-    for _ in range(5):
+    s2.update(overflow=True)
+    assert s2.scale == 1 and not s2.exhausted
+    for _ in range(4):
         s2.update(overflow=True)
-    assert s2.scale == 1
+    assert s2.scale == 1 and s2.exhausted
+    s2.update(overflow=False)
+    assert not s2.exhausted
     restored = DynamicLossScaler()
     restored.load_state_dict(s.state_dict())
     assert restored.state_dict() == s.state_dict()

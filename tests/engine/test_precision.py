@@ -190,3 +190,33 @@ def test_initialize_refuses_float64_parameters_on_every_rank():
     for stage in (0, 3):
         messages = run_local(_initialize_float64, 2, stage)
         assert all(m.startswith("model: parameters layers.0.weight (float64)") for m in messages)
+
+
+def _overflowing_at_the_minimum_scale() -> str:
+    import zeroservice
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    config = {
+        "stage": 2,
+        "precision": "fp16",
+        "loss_scale": {"initial_scale": 2.0, "min_scale": 1.0, "hysteresis": 1},
+    }
+    engine = zeroservice.initialize(model, config, torch.optim.AdamW)
+    steps = []
+    try:
+        for _ in range(3):
+            engine.backward(engine(torch.randn(2, 4).half()).float().sum() * float("inf"))
+            steps.append(engine.step().loss_scale)
+    except RuntimeError as exc:
+        return f"after {steps}: {exc}"
+    finally:
+        engine.close()
+    return f"no error after {steps}"
+
+
+def test_an_overflow_at_the_minimum_scale_stops_the_run():
+    """Every step overflows: the scale backs off to min_scale, and the next overflow
+    there raises (as DeepSpeed's scaler does) rather than skipping steps for ever."""
+    (said,) = run_local(_overflowing_at_the_minimum_scale, 1)
+    assert said.startswith("after [2.0]: step: the fp16 gradients overflowed at the minimum"), said
