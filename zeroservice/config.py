@@ -160,6 +160,9 @@ class LossScaleConfig:
     hysteresis: int = 1
     """Overflows tolerated before the scale first backs off (the step is skipped every
     time); after that every overflow backs off until the scale next grows."""
+    consecutive_hysteresis: bool = False
+    """Restore the allowance after every step without overflow, so only consecutive
+    overflows back off (DeepSpeed's ``consecutive_hysteresis``)."""
 
     def __post_init__(self) -> None:
         _check_types(self, "loss_scale.")

@@ -75,6 +75,7 @@ _FP16 = {
     "hysteresis",
     "min_loss_scale",
     "auto_cast",
+    "consecutive_hysteresis",
 }
 
 
@@ -280,7 +281,8 @@ def _zero(zero: dict[str, Any], out: dict[str, Any]) -> None:
         device = _text(offload, "device", inner, "none")
         if device not in ("cpu", "none"):
             raise ConfigError(f"{inner}device={device!r}: only cpu (or none)")
-        _insist(offload, "pin_memory", True, inner)
+        # Copy speed only: host copies are pinned whenever the model is on a GPU.
+        _flag(offload, "pin_memory", inner, False)
         out["offload_optimizer"] = device == "cpu"
     if zero.get("leaf_module") is not None:
         out["stage3_leaf_modules"] = _leaf_modules(_section(zero, "leaf_module", where))
@@ -385,6 +387,7 @@ def _precision(ds: dict[str, Any], out: dict[str, Any]) -> None:
             initial_scale=2.0**power,
             growth_interval=_integer(fp16_section, "loss_scale_window", "fp16.", 1000, 1),
             hysteresis=_integer(fp16_section, "hysteresis", "fp16.", 2, 1),
+            consecutive_hysteresis=_flag(fp16_section, "consecutive_hysteresis", "fp16.", False),
             min_scale=_real(fp16_section, "min_loss_scale", "fp16.", 1.0),
         )
     comm_dtype = _text(ds, "communication_data_type", "")
@@ -535,8 +538,39 @@ def _scheduler(ds: dict[str, Any], out: dict[str, Any]) -> None:
             warmup_start_ratio=_real(p, "warmup_min_ratio", where, 0.0),
         )
     else:
-        _refuse_unknown(p, {"warmup_num_steps", "warmup_type"}, where)
-        out["lr_schedule"] = ScheduleConfig(warmup_steps=steps)
+        _refuse_unknown(
+            p, {"warmup_num_steps", "warmup_type", "warmup_min_lr", "warmup_max_lr"}, where
+        )
+        out["lr_schedule"] = ScheduleConfig(
+            warmup_steps=steps, warmup_start_ratio=_warmup_start_ratio(ds, p, where)
+        )
+
+
+def _warmup_start_ratio(ds: dict[str, Any], p: dict[str, Any], where: str) -> float:
+    """WarmupLR climbs from ``warmup_min_lr`` (DeepSpeed's default 0) to
+    ``warmup_max_lr`` (its default since 0.17.2: the optimizer's lr). Here the peak is
+    the optimizer's lr: another ``warmup_max_lr`` is refused, and the start is that
+    rate's share of it."""
+    low = _real(p, "warmup_min_lr", where, 0.0)
+    high = _real(p, "warmup_max_lr", where)
+    if low == 0.0 and high is None:
+        return 0.0
+    opt = ds.get("optimizer")
+    params = opt.get("params") if isinstance(opt, dict) else None
+    lr = _real(params, "lr", "optimizer.params.") if isinstance(params, dict) else None
+    if lr is None or lr == 0:
+        raise ConfigError(
+            f"{where}warmup_min_lr, warmup_max_lr: relative to the optimizer's lr here; give "
+            "optimizer.params.lr"
+        )
+    if high is not None and high != lr:
+        raise ConfigError(
+            f"{where}warmup_max_lr={high!r}: the warm-up climbs to the optimizer's lr ({lr}) "
+            "here; set optimizer.params.lr to it"
+        )
+    if not 0 <= low <= lr:
+        raise ConfigError(f"{where}warmup_min_lr={low!r}: must be in [0, the optimizer's lr {lr}]")
+    return low / lr
 
 
 def from_deepspeed(ds: dict[str, Any], world_size: int | None = None) -> DeepSpeedSettings:

@@ -74,7 +74,8 @@ class DynamicLossScaler:
     Hysteresis as DeepSpeed's (its default, non-consecutive) and Megatron-LM's scalers
     keep it: ``hysteresis`` overflows back the scale off the first time, and from then
     every overflow backs it off until the scale next grows, which restores the
-    allowance. An overflow that would back off below ``min_scale`` sets ``exhausted``:
+    allowance (with ``consecutive_hysteresis``, every step without overflow does). An
+    overflow that would back off below ``min_scale`` sets ``exhausted``:
     the scale can no longer keep the gradients finite (the engine stops the run).
     """
 
@@ -103,6 +104,8 @@ class DynamicLossScaler:
                 self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
             return
         self.clean_steps += 1
+        if cfg.consecutive_hysteresis:
+            self.hysteresis_left = cfg.hysteresis
         if self.clean_steps % cfg.growth_interval == 0:
             self.scale *= cfg.growth_factor
             self.hysteresis_left = cfg.hysteresis

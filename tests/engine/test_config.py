@@ -401,6 +401,39 @@ def test_deepspeed_batch_sizes_that_cannot_agree_are_refused(ds, world):
         from_deepspeed(ds, world_size=world)
 
 
+def test_deepspeed_defaults_written_out_are_accepted():
+    """Keys DeepSpeed users write at their defaults: pinned host copies (a speed hint),
+    non-consecutive hysteresis (DeepSpeed's own), WarmupLR from 0 to the optimizer's
+    lr; a consecutive hysteresis restores the allowance after each clean step."""
+    ds = {
+        "zero_optimization": {
+            "stage": 1,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        },
+        "fp16": {"enabled": True, "consecutive_hysteresis": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_type": "linear"},
+        },
+    }
+    cfg = from_deepspeed(ds).config
+    assert cfg.offload_optimizer and not cfg.loss_scale.consecutive_hysteresis
+    assert cfg.lr_schedule.warmup_start_ratio == 0.0
+    ds["scheduler"]["params"]["warmup_min_lr"] = 0.001
+    assert from_deepspeed(ds).config.lr_schedule.warmup_start_ratio == pytest.approx(0.1)
+    ds["scheduler"]["params"]["warmup_max_lr"] = 0.02
+    with pytest.raises(ConfigError, match="warmup_max_lr=0.02: the warm-up climbs to the opt"):
+        from_deepspeed(ds)
+    ds["fp16"]["consecutive_hysteresis"] = True
+    del ds["scheduler"]
+    consecutive = from_deepspeed(ds).config.loss_scale
+    s = DynamicLossScaler(consecutive)
+    for overflow in (True, False, True, False, True):  # never two in a row: no back-off
+        s.update(overflow)
+    assert consecutive.consecutive_hysteresis and s.scale == consecutive.initial_scale
+
+
 def test_deepspeed_batch_size_inconsistent_with_world():
     with pytest.raises(ConfigError, match="train_batch_size=30"):
         from_deepspeed({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=2)
