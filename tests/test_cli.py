@@ -95,3 +95,10 @@ def test_a_broken_pipe_that_is_not_standard_output_is_an_error(monkeypatch):
     monkeypatch.setattr(plan_cli, "run_plan", broken)
     with pytest.raises(BrokenPipeError, match="socket"):
         main(["plan", "--params", "1e9", "--paper"])
+
+
+def test_a_demo_of_one_step_reports_without_measuring(capsys):
+    """Its warm-up was fixed at 3 steps: 3 steps or fewer failed on the schedule."""
+    assert main(["demo", "--steps", "1", "--world", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "loss" in out and "communication per rank: not measured" in out

@@ -51,7 +51,9 @@ def train(spec: DemoSpec) -> dict:
         gradient_accumulation_steps=spec.accum,
         gradient_clipping=1.0,
         bucket_elements=2**18,
-        lr_schedule=ScheduleConfig("cosine", warmup_steps=3, total_steps=spec.steps),
+        lr_schedule=ScheduleConfig(
+            "cosine", warmup_steps=min(3, spec.steps - 1), total_steps=spec.steps
+        ),
     )
     engine = zeroservice.initialize(
         model,
@@ -121,6 +123,9 @@ def format_report(results: list[dict]) -> str:
     if m["stage"] == 3:
         peak = _mib(m["gathered_peak"])
         lines.append(f"  {'gathered, peak':<18}{peak}  (whole units, transient)")
+    if not r0["measured_steps"]:
+        lines += ["", "communication per rank: not measured (one step: the first, start-up's)"]
+        return "\n".join(lines)
     lines += [
         "",
         f"communication per rank, {r0['measured_steps']} steps after the first",
@@ -138,7 +143,7 @@ def format_report(results: list[dict]) -> str:
         + (
             "\n  (below 3Ψ: small units stay gathered between steps, and units that "
             "backward never reads are not gathered twice)"
-            if m["stage"] == 3
+            if m["stage"] == 3 and per_step < 3 * m["psi_padded"]
             else ""
         )
     )

@@ -43,7 +43,11 @@ def demo_spec(steps: int, stage: int, precision: str) -> dict:
             "stage": stage,
             "precision": precision,
             "gradient_clipping": 1.0,
-            "lr_schedule": {"kind": "cosine", "warmup_steps": 3, "total_steps": steps},
+            "lr_schedule": {
+                "kind": "cosine",
+                "warmup_steps": min(3, steps - 1),
+                "total_steps": steps,
+            },
         },
         "optimizer": {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1},
         "steps": steps,
