@@ -49,6 +49,8 @@ def readyz(service: ServiceDep, db: SessionDep) -> JSONResponse:
     "/metrics",
     response_class=Response,
     dependencies=[MetricsReader],
+    # The token is asked for only where the service has a metrics token: optional here.
+    openapi_extra={"security": [{}]},
     responses={
         200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"},
         **errors(401, 403, 429),
