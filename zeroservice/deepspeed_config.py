@@ -573,14 +573,27 @@ def _warmup_start_ratio(ds: dict[str, Any], p: dict[str, Any], where: str) -> fl
     return low / lr
 
 
-def from_deepspeed(ds: dict[str, Any], world_size: int | None = None) -> DeepSpeedSettings:
-    """Translate a DeepSpeed config dict; ``world_size`` checks ``train_batch_size``."""
-    if not isinstance(ds, dict):
-        raise ConfigError(f"DeepSpeed config: expected a dict, got {type(ds).__name__}")
-    _refuse_unknown(ds, _TOP | {k for k in WITHOUT_EFFECT if "." not in k}, "")
-    zero = _section(ds, "zero_optimization", "")
-    without_effect = _without_effect(ds, zero)
-    zero = {k: v for k, v in zero.items() if f"zero_optimization.{k}" not in WITHOUT_EFFECT}
+_DEEPSPEED_KEY = {
+    "loss_scale.min_scale": "fp16.min_loss_scale",
+    "loss_scale.initial_scale": "fp16.initial_scale_power",
+    "loss_scale.growth_interval": "fp16.loss_scale_window",
+    "loss_scale.hysteresis": "fp16.hysteresis",
+    "bucket_elements": "zero_optimization.reduce_bucket_size",
+    "stage3_prefetch_elements": "zero_optimization.stage3_max_live_parameters",
+    "stage3_persistence_elements": "zero_optimization.stage3_param_persistence_threshold",
+    "lr_schedule.min_ratio": "scheduler.params.cos_min_ratio",
+    "lr_schedule.warmup_start_ratio": "scheduler.params.warmup_min_ratio",
+    "lr_schedule.total_steps": "scheduler.params.total_num_steps",
+    "lr_schedule.warmup_steps": "scheduler.params.warmup_num_steps",
+    "gradient_clipping": "gradient_clipping",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train_micro_batch_size": "train_micro_batch_size_per_gpu",
+}
+"""The DeepSpeed key each translated field comes from: a value the engine's config
+refuses is named by the key the user wrote."""
+
+
+def _translate(ds: dict[str, Any], zero: dict[str, Any], world_size: int | None) -> ZeroConfig:
     out: dict[str, Any] = {}
     _zero(zero, out)
     _precision(ds, out)
@@ -590,7 +603,24 @@ def from_deepspeed(ds: dict[str, Any], world_size: int | None = None) -> DeepSpe
         out["gradient_clipping"] = clipping
     _scheduler(ds, out)
     _activations(ds, out)
-    settings = DeepSpeedSettings(ZeroConfig(**out), _optimizer(ds), without_effect)
+    return ZeroConfig(**out)
+
+
+def from_deepspeed(ds: dict[str, Any], world_size: int | None = None) -> DeepSpeedSettings:
+    """Translate a DeepSpeed config dict; ``world_size`` checks ``train_batch_size``."""
+    if not isinstance(ds, dict):
+        raise ConfigError(f"DeepSpeed config: expected a dict, got {type(ds).__name__}")
+    _refuse_unknown(ds, _TOP | {k for k in WITHOUT_EFFECT if "." not in k}, "")
+    zero = _section(ds, "zero_optimization", "")
+    without_effect = _without_effect(ds, zero)
+    zero = {k: v for k, v in zero.items() if f"zero_optimization.{k}" not in WITHOUT_EFFECT}
+    try:
+        config = _translate(ds, zero, world_size)
+    except ConfigError as exc:  # named by the DeepSpeed key the value came from
+        field, sep, why = str(exc).partition(": ")
+        key = _DEEPSPEED_KEY.get(field)
+        raise ConfigError(f"{key} (as {field}): {why}" if key and sep else str(exc)) from None
+    settings = DeepSpeedSettings(config, _optimizer(ds), without_effect)
     if without_effect:
         warnings.warn(
             "DeepSpeed config: accepted without effect here: "

@@ -434,6 +434,30 @@ def test_deepspeed_defaults_written_out_are_accepted():
     assert consecutive.consecutive_hysteresis and s.scale == consecutive.initial_scale
 
 
+@pytest.mark.parametrize(
+    ("ds", "key"),
+    [
+        ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale"),
+        (
+            {"zero_optimization": {"stage": 2, "reduce_bucket_size": 500}},
+            "zero_optimization.reduce_bucket_size",
+        ),
+        (
+            {
+                "scheduler": {
+                    "type": "WarmupCosineLR",
+                    "params": {"total_num_steps": 10, "cos_min_ratio": 2, "warmup_num_steps": 0},
+                }
+            },
+            "scheduler.params.cos_min_ratio",
+        ),
+    ],
+)
+def test_deepspeed_values_the_engine_refuses_are_named_by_their_key(ds, key):
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)} \\(as "):
+        from_deepspeed(ds)
+
+
 def test_deepspeed_batch_size_inconsistent_with_world():
     with pytest.raises(ConfigError, match="train_batch_size=30"):
         from_deepspeed({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=2)
