@@ -238,7 +238,9 @@ class Scheduler:
             reap = getattr(self.backend, "reap", None)
             if reap is not None:
                 reap(job.id)
-            self._launch(session, job, JobSpec.model_validate(job.spec))
+            spec = self._stored_spec(session, job)
+            if spec is not None:
+                self._launch(session, job, spec)
             return
         if snap is None:
             self._replace_supervisor(session, job)

@@ -200,3 +200,25 @@ def test_a_stored_spec_that_no_longer_validates_fails_its_job_alone(harness):
     assert got["status"] == "failed" and got["reason"] == "invalid_spec"
     assert got["message"].startswith("checkpoint.dir:")
     assert _status(harness, fine, h)["status"] == "starting"
+
+
+def test_a_start_launched_again_with_a_spec_that_no_longer_validates_fails_its_job_alone(
+    harness,
+):
+    """A job left starting without a supervisor is launched again from its stored spec:
+    one an older version stored that no longer validates (a bootstrap_s below today's
+    floor) fails that job, and the tick goes on to the others."""
+    h = harness.headers(harness.tenant_token("alice"))
+    old, fine = _submit(harness, h), _submit(harness, h)
+    harness.tick()
+    assert _status(harness, old, h)["status"] == "starting"
+    harness.backend.jobs.pop(old)  # its supervisor never came up
+    with harness.service.sessions() as s:
+        job = s.get(Job, old)
+        job.spec = {**job.spec, "timeouts": {"bootstrap_s": 1, "step_s": 60}}
+        s.commit()
+    harness.tick()
+    got = _status(harness, old, h)
+    assert got["status"] == "failed" and got["reason"] == "invalid_spec", got
+    assert got["message"].startswith("timeouts.bootstrap_s:")
+    assert _status(harness, fine, h)["status"] == "starting"
