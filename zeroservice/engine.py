@@ -689,7 +689,7 @@ class Engine:
         held now: called before a step, the ledger then reports that step's peaks (a
         job's metrics do), not the largest since the engine was built."""
         if self.gatherer is not None:
-            self.gatherer.peak_live_elements = self.gatherer.live_elements
+            self.gatherer.reset_peak()
         if self.activations is not None:
             self.activations.reset_peak()
 

@@ -607,9 +607,13 @@ class ParamGatherer:
     def peak_live_bytes(self) -> int:
         return self.peak_live_elements * self.element_size
 
+    def reset_peak(self) -> None:
+        """Restart the peak from what is gathered now."""
+        self.peak_live_elements = self.live_elements
+
     def reset_counters(self) -> None:
         """Restart the peak and the gather counts (e.g. at the start of a step)."""
-        self.peak_live_elements = self.live_elements
+        self.reset_peak()
         self.on_demand_gathers = self.prefetched_gathers = 0
 
     def close(self) -> None:

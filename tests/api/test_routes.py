@@ -338,7 +338,8 @@ def test_a_cursor_pages_through_jobs_submitted_meanwhile_once_each(harness):
     exactly once, in order; by offset the shifted rows repeat one."""
     c, h = harness.client, harness.headers(harness.tenant_token("alice"))
     limits = {"max_queued_jobs": 100}
-    assert c.put("/v1/tenants/alice/limits", json=limits, headers=harness.headers(harness.admin))
+    put = c.put("/v1/tenants/alice/limits", json=limits, headers=harness.headers(harness.admin))
+    assert put.is_success, put.text
     for i in range(7):
         c.post("/v1/jobs", json={"spec": {**TINY, "name": f"j{i}"}}, headers=h)
     at_start = [j["id"] for j in c.get("/v1/jobs?limit=500", headers=h).json()["items"]]

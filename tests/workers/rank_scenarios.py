@@ -167,21 +167,26 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
     engine.backward(engine(x, x))
     engine.step()
     large = engine.memory_ledger()
-    before = {
-        (s.op, s.tag): (s.payload_bytes, s.seconds) for s in engine.comm_ledger().entries.values()
-    }
+
+    def totals() -> dict[str, tuple[int, float, int]]:
+        """Per op: bytes and seconds so far, summed in the ledger's order as the rank
+        sums them (so the step's difference is the same float)."""
+        out: dict[str, tuple[int, float, int]] = {}
+        for s in engine.comm_ledger().entries.values():
+            b, sec, _ = out.get(s.op, (0, 0.0, 0))
+            out[s.op] = (b + s.payload_bytes, sec + s.seconds, s.world_size)
+        return out
+
+    before = totals()
     worker._collectives()  # the hand-trained step is not the loop's either
     worker.tokens = 10**6  # the job's position, as a restart restores it
     worker._train(1)
     after = engine.memory_ledger()
     expected_busbw: dict[str, float] = {}
-    moved: dict[str, tuple[int, float, int]] = {}
-    for s in engine.comm_ledger().entries.values():
-        b0, s0 = before.get((s.op, s.tag), (0, 0.0))
-        b, sec, _ = moved.get(s.op, (0, 0.0, 0))
-        moved[s.op] = (b + s.payload_bytes - b0, sec + s.seconds - s0, s.world_size)
-    for op, (b, sec, n) in moved.items():
-        expected_busbw[op] = b / sec * bus_factor(op, n) if sec > 0 else 0.0
+    for op, (b, sec, n) in totals().items():
+        b0, s0, _ = before.get(op, (0, 0.0, 0))
+        moved, seconds = b - b0, sec - s0
+        expected_busbw[op] = moved / seconds * bus_factor(op, n) if seconds > 0 else 0.0
     exported = {
         (
             fam,
@@ -203,7 +208,7 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
             op: exported[
                 ("zeroservice_collective_busbw_bytes_per_second", (("group", "dp"), ("op", op)))
             ]
-            for op in moved
+            for op in expected_busbw
         },
         "expected_busbw": expected_busbw,
         "tokens": exported[("zeroservice_tokens", ())],
