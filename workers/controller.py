@@ -136,6 +136,8 @@ class JobController:
         self.cancel = cancel or threading.Event()
         self.cancel_reason = "cancelled by request"
         self.state: State = Queued() if succession is None else replacing_supervisor(succession)
+        self._new_group: WorkerGroup | None = None
+        """A group started in the current step, not yet held by a state."""
         self.callbacks: list[Callback] = [self._record_status, self._end_tracking]
         self.term = 0 if succession is None else succession.restarts
         """Sent with every train, save and settle: the ranks refuse calls of an older
@@ -153,10 +155,13 @@ class JobController:
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> tuple[State, State]:
         previous = self.state
+        self._new_group = None
         try:
             following = self._next(previous)
         except Exception:
             self._teardown(previous, clean=False)
+            if self._new_group is not None:
+                self._new_group.shutdown(clean=False)
             following = Failed(reason="internal_error", message=traceback.format_exc(limit=8))
         check_transition(previous.kind, following.kind)
         self.state = following
@@ -216,7 +221,13 @@ class JobController:
         spec, res = self.spec, self.spec.resources
         if self.cancel.is_set():
             return self._cancelled()
-        placement = self.pool.place(res.lowest_dp, res.highest_dp, spec.timeouts.bootstrap_s)
+        placement = self.pool.place(
+            res.lowest_dp, res.highest_dp, spec.timeouts.bootstrap_s, self.cancel
+        )
+        if self.cancel.is_set():  # asked while it waited for room: the cancel wins
+            if placement is not None:
+                placement.remove()
+            return self._cancelled()
         if placement is None:
             from .placement import bundle
 
@@ -225,12 +236,20 @@ class JobController:
                 message=f"no room for {res.lowest_dp} replica(s) of {bundle(res)} each within "
                 f"{spec.timeouts.bootstrap_s:g} s (free now: {self.pool.free()})",
             )
-        self._note_size(placement.dp)
         try:
-            group = self.pool.start(placement, self.record.restarts)
+            group = self._pending(self.pool.start(placement, self.record.restarts))
         except GroupStartFailed as failure:
-            return self._start_failed(failure)
+            return self._cancelled() if self.cancel.is_set() else self._start_failed(failure)
+        if self.cancel.is_set():
+            group.shutdown(clean=False)
+            return self._cancelled()
         return self._started(group)
+
+    def _pending(self, group: WorkerGroup) -> WorkerGroup:
+        """A group started within this step: torn down with the step's state if the
+        step raises before a state holds it (see ``step``)."""
+        self._new_group = group
+        return group
 
     def _adopt(self) -> State | None:
         """Go on with the ranks a lost supervisor left, once the call it made is over;
@@ -238,6 +257,7 @@ class JobController:
         group = self.pool.adopt()
         if group is None:
             return None
+        self._pending(group)
         stop, idle = self._watch(group, "settle", self.term)
         steps = {i.progress.step for i in idle if i is not None}
         broken = [(r, i.failed) for r, i in enumerate(idle) if i is not None and i.failed]
@@ -304,6 +324,7 @@ class JobController:
 
     def _started(self, group: WorkerGroup) -> State:
         mp = self.spec.resources.mp
+        self._note_size(group.dp)  # only a group that started changes the job's size
         first = group.setups[0]
         self._carried(first.history)
         self._loaded(first)
@@ -378,7 +399,7 @@ class JobController:
     # -- running: one chunk -----------------------------------------------------------------
     def _chunk(self, state: Running) -> State:
         spec, group, step = self.spec, state.group, state.step
-        if state.save_first:
+        if state.save_first or (not state.failed_saves and self._unsaved_boundary(step)):
             return self._save(state, step)
         if step >= spec.steps and not state.failed_saves:
             return self._succeeded(group)
@@ -406,6 +427,16 @@ class JobController:
                     group=group, step=step, message=state.message, failed_saves=state.failed_saves
                 )
         return self._save(state, step)
+
+    def _unsaved_boundary(self, step: int) -> bool:
+        """The ranks stand at a checkpoint boundary (or the last step) whose save was
+        never reported: a live resize restored that step from the peers' memory after
+        a rank was lost in (or just after) its save, or after the last chunk's train.
+        The save is made again before anything else, so that a job succeeds only with
+        its final checkpoint saved and reported (see [Note: supervised job])."""
+        spec = self.spec
+        boundary = step % spec.checkpoint.interval_steps == 0 or step >= spec.steps
+        return step > self.reported_save and boundary
 
     def _save(self, state: Running, step: int) -> State:
         """Every rank saves. A failed save (a full disk) is an event, not a failure: the
@@ -559,9 +590,18 @@ class JobController:
             # The status stays "resizing": without this event the message would be lost.
             self.record.event("resize", "regroup_failed", message)
             return Resizing(reason=state.reason, message=message)
+        late = group.dead() if state.lost else []  # lost since the others were dropped
+        if late and not group.drop(late, SETTLE_S):
+            group.shutdown(clean=False)
+            return self._restart(state.reason, f"rank(s) {late} lost while re-forming")
         if state.lost and group.dp < spec.resources.lowest_dp:
             group.shutdown(clean=False)
-            return Resizing(reason=state.reason, message="fewer replicas left than min_dp")
+            message = (
+                f"{group.dp} replica(s) left, fewer than min_dp "
+                f"{spec.resources.lowest_dp}: restarting from the newest checkpoint"
+            )
+            self.record.event("resize", "below_min_dp", message)  # the status stays resizing
+            return Resizing(reason=state.reason, message=message)
         if state.grow:
             added = self.pool.extend(group, state.grow, spec.timeouts.bootstrap_s)
             if not added:  # the room went before we took it
@@ -570,7 +610,10 @@ class JobController:
             setups = group.regroup(self.record.restarts, not state.lost, self.term)
         except GroupStartFailed as failure:
             group.shutdown(clean=False)
-            return self._start_failed(failure)
+            return self._cancelled() if self.cancel.is_set() else self._start_failed(failure)
+        if self.cancel.is_set():
+            group.shutdown(clean=False)
+            return self._cancelled()
         group.setups = setups
         first = setups[0]
         seconds = time.monotonic() - t0
@@ -580,7 +623,8 @@ class JobController:
             self._add_points([first.unreported], before)
         self._note_size(group.dp)
         if first.fallback:
-            origin = f"checkpoint {first.loaded} (the peers' memory lacked: {first.fallback})"
+            loaded = f"checkpoint {first.loaded}" if first.loaded else "scratch (no checkpoint yet)"
+            origin = f"{loaded} (the peers' memory lacked: {first.fallback})"
         else:
             origin = first.loaded or "scratch"
         if first.fallback:
@@ -620,10 +664,13 @@ class JobController:
         while pending:
             if self.cancel.is_set():
                 return Interrupted(Interruption.CANCELLED), results
-            for rank, answer in sorted(group.wait(poll).items()):
+            replies = sorted(group.wait(poll).items())
+            died = [(r, a) for r, a in replies if isinstance(a, RankDied)]
+            if died:  # every rank lost with it (a node of several), not the first alone
+                lost = sorted({r for r, _ in died} | set(group.dead()))
+                return self._lost(group, lost, died[0][1].message), results
+            for rank, answer in replies:
                 pending.discard(rank)
-                if isinstance(answer, RankDied):
-                    return self._lost(group, [rank], answer.message), results
                 if isinstance(answer, RankError):
                     dead = group.dead()
                     if dead:

@@ -16,8 +16,10 @@ does not, a smaller one is tried, down to ``min_dp``.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -80,6 +82,7 @@ def place(
     probe_s: float = 5.0,
     settle_s: float = 5.0,
     name: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> Placement | None:
     """The largest group of ``lowest..highest`` replicas Ray can place now (None: none).
 
@@ -87,7 +90,8 @@ def place(
     resources are watched for up to ``settle_s`` while they allow fewer than
     ``highest`` replicas. Sizes above what they then allow are not tried; each size
     but the smallest gets ``probe_s`` to become ready, the smallest gets ``wait_s``.
-    ``name``: the placement group's (default: by job and size)."""
+    ``name``: the placement group's (default: by job and size). A set ``cancel`` ends
+    the waits at once (None: the job was cancelled while it waited for room)."""
     free = replicas_available(resources)
     deadline = time.monotonic() + settle_s
     while free < highest and time.monotonic() < deadline:
@@ -102,9 +106,23 @@ def place(
             lifetime="detached",  # outlives its supervisor: see [Note: supervised supervisor]
         )
         timeout = wait_s if dp == lowest else probe_s
-        ready, _ = ray.wait([pg.ready()], timeout=timeout)
-        if ready:
+        if _ready(pg, timeout, cancel):
             return Placement(pg, dp)
         remove_placement_group(pg)
+        if cancel is not None and cancel.is_set():
+            return None
         time.sleep(0.1)
     return None
+
+
+def _ready(pg: Any, timeout: float, cancel: threading.Event | None) -> bool:
+    """Whether ``pg`` became ready within ``timeout``, polling ``cancel`` each second."""
+    deadline = time.monotonic() + timeout
+    ref = pg.ready()
+    while True:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(1.0, left)))
+        if ready:
+            return True
+        if left <= 1.0 or (cancel is not None and cancel.is_set()):
+            return False

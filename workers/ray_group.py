@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -387,8 +388,10 @@ class RayWorkerPool:
     def available(self) -> int:
         return replicas_available(self.spec.resources)
 
-    def place(self, lowest: int, highest: int, wait_s: float) -> Placement | None:
-        return place(self.job_id, self.spec.resources, lowest, highest, wait_s)
+    def place(
+        self, lowest: int, highest: int, wait_s: float, cancel: threading.Event | None = None
+    ) -> Placement | None:
+        return place(self.job_id, self.spec.resources, lowest, highest, wait_s, cancel=cancel)
 
     def free(self) -> str:
         return str(ray.available_resources())

@@ -115,8 +115,11 @@ class WorkerPool(Protocol):
     def available(self) -> int:
         """Replicas the free resources could hold now (besides the job's own group)."""
 
-    def place(self, lowest: int, highest: int, wait_s: float) -> Placement | None:
-        """The largest placement of ``lowest..highest`` replicas possible now."""
+    def place(
+        self, lowest: int, highest: int, wait_s: float, cancel: threading.Event | None = None
+    ) -> Placement | None:
+        """The largest placement of ``lowest..highest`` replicas possible now; waiting
+        for room ends when ``cancel`` is set."""
 
     def start(self, placement: Placement, restarts: int) -> WorkerGroup:
         """Ranks on the placement, joined and set up; raises GroupStartFailed (having
@@ -310,7 +313,9 @@ class InProcessPool:
         with self._lock:
             return max(0, self.capacity - self.used)
 
-    def place(self, lowest: int, highest: int, wait_s: float) -> LocalPlacement | None:
+    def place(
+        self, lowest: int, highest: int, wait_s: float, cancel: threading.Event | None = None
+    ) -> LocalPlacement | None:
         with self._lock:
             dp = min(highest, self.capacity - self.used)
             if dp < lowest:

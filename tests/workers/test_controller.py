@@ -4,6 +4,7 @@ a stall, a training error, a failed start, cancellation, and the restart budget.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -665,3 +666,172 @@ def test_losing_every_replica_restarts_from_the_checkpoint():
     ctl = _controller(_live_job(resources={"mp": 2, "dp": 1, "max_dp": 1}), pool)
     assert _steps(ctl, 5)[3:] == [(Running, Resizing), (Resizing, Running)]
     assert ctl.group.dp == 1 and ctl.state.step == 4 and pool.attempts == 2
+
+
+@pytest.mark.parametrize("when", ["after_last_step", "in_final_save"])
+def test_a_rank_lost_at_the_end_leaves_a_final_checkpoint_saved_and_reported(when):
+    """The survivors restore step 12 from host memory: the job succeeds only once the
+    final checkpoint is saved again and reported, not at the restored step."""
+    where = {(1, 1, 12)}
+    script = Script(redundancy=1, die_after_commit=where if when == "in_final_save" else set())
+    pool = scripted_pool(script, capacity=2)
+
+    def lost():
+        pool.capacity = 1
+        script.lost_copy = 12  # K = 1: its neighbour holds the lost rank's copy of step 12
+
+    script.on_kill = lost
+    if when == "after_last_step":  # the rank trains step 12, then dies before answering
+        original = pool.make_rank
+
+        def make_rank(rank, world, attempt):
+            made = original(rank, world, attempt)
+            if rank == 1 and attempt == 1:
+                train = made.train
+
+                def dies_after_training(until, term=0):
+                    chunk = train(until, term)
+                    if made.step == 12:
+                        script.lost_copy = made.copied
+                        pool.capacity = 1
+                        raise RankDied(1, "the actor died unexpectedly")
+                    return chunk
+
+                made.train = dies_after_training
+            return made
+
+        pool.make_rank = make_rank
+    ctl = _controller(_live_job(), pool)
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED and ctl.group is None
+    saved = [e["step"] for e in _events(ctl, "checkpoint") if e["reason"] == "saved"]
+    assert saved[-1] == 12 and ctl.record.step == 12 and script.saved == 12
+    assert sorted(ctl.record.losses) == list(range(1, 13))
+
+
+def test_ranks_lost_together_are_dropped_together_and_fall_back_in_place():
+    """A node of two replicas lost at once (ring neighbours: the copies lack their
+    shards): one restart, both dropped, every survivor loads the checkpoint in place."""
+    script = Script(redundancy=1, kill={(1, 1, 6), (1, 2, 6)}, peers_incomplete=True)
+    pool = scripted_pool(script, capacity=4)
+    script.on_kill = lambda: setattr(pool, "capacity", 2)
+    ctl = _controller(_live_job(resources={"dp": 4, "min_dp": 1, "max_dp": 4}), pool)
+    assert _steps(ctl, 5)[3:] == [(Running, Regrouping), (Regrouping, Running)]
+    (restart,) = _events(ctl, "restart")
+    assert restart["ranks"] == [1, 2] and restart["restarts"] == 1
+    assert ctl.group.dp == 2 and ctl.state.step == 4 and pool.attempts == 1
+    regrouped = _events(ctl, "placed")[-1]
+    assert "(dp 4 -> 2) in place from checkpoint step-00000004" in regrouped["message"]
+    assert "the peers' memory lacked" in regrouped["message"]
+
+
+def test_a_rank_found_dead_after_the_others_were_dropped_is_dropped_too():
+    script = Script(redundancy=1, kill={(1, 1, 6)})
+    pool = scripted_pool(script, capacity=3)
+    ctl = _controller(_live_job(resources={"dp": 3, "min_dp": 1, "max_dp": 3}), pool)
+    _steps(ctl, 4)
+    assert isinstance(ctl.state, Regrouping)
+    group = ctl.state.group
+    drop = group.drop
+
+    def drop_then_another_dies(ranks, settle_s):
+        dropped = drop(ranks, settle_s)
+        if dropped and group.world == 2:
+            group._gone.add(1)  # the old rank 2, now 1: its process died meanwhile
+        return dropped
+
+    group.drop = drop_then_another_dies
+    assert _steps(ctl, 1) == [(Regrouping, Running)]
+    assert ctl.group.dp == 1 and ctl.record.restarts == 1
+
+
+def test_a_cancel_while_waiting_for_room_ends_cancelled_at_once():
+    script = Script()
+    pool = scripted_pool(script, capacity=1)  # dp 2 needs 2: placing waits for room
+    place = pool.place
+    waited = []
+
+    def waits_for_room(lowest, highest, wait_s, cancel=None):
+        got = place(lowest, highest, wait_s, cancel)
+        if got is None:
+            waited.append(cancel.wait(30.0))  # as placement.place, ended by the cancel
+        return got
+
+    pool.place = waits_for_room
+    ctl = _controller(tiny_job(steps=8), pool)
+    ctl.step()
+    threading.Timer(0.2, lambda: ctl.request_cancel("stopped by alice")).start()
+    assert _steps(ctl, 1) == [(Starting, Cancelled)] and waited == [True]
+    assert ctl.record.status == JobState.CANCELLED and pool.used == 0
+
+
+def test_a_cancel_during_a_start_or_a_re_forming_is_kept():
+    script = Script(kill={(1, 1, 6)}, redundancy=1)
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)
+    ctl = _controller(_live_job(), pool)
+    _steps(ctl, 4)
+    assert isinstance(ctl.state, Regrouping)
+    regroup = ctl.state.group.regroup
+
+    def cancelled_meanwhile(*args):
+        ctl.request_cancel("stopped by alice")
+        return regroup(*args)
+
+    ctl.state.group.regroup = cancelled_meanwhile
+    assert _steps(ctl, 1) == [(Regrouping, Cancelled)] and pool.used == 0
+
+
+def test_a_start_that_fails_changes_no_size():
+    """The job's size (and its resize events) follows the groups that started."""
+    script = Script(kill={(1, 1, 6)}, fail_setup={2})
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)
+    ctl = _controller(tiny_job(steps=12, resources={"dp": 2, "min_dp": 1}), pool)
+    _steps(ctl, 4)
+    assert _steps(ctl, 1) == [(Resizing, Resizing)]  # dp 1 fits, and its start fails
+    pool.capacity = 2
+    assert _steps(ctl, 1) == [(Resizing, Running)]
+    assert ctl.group.dp == 2 and not _events(ctl, "resize")
+
+
+def test_a_live_fallback_with_no_checkpoint_says_it_starts_from_scratch():
+    script = Script(kill={(1, 1, 2)}, peers_incomplete=True)
+    pool = scripted_pool(script, capacity=2)
+    script.on_kill = lambda: setattr(pool, "capacity", 1)
+    original = pool.make_rank
+
+    def make_rank(rank, world, attempt):
+        made = original(rank, world, attempt)
+        regroup = made.regroup  # as RankWorker.regroup: no checkpoint to load, none named
+        made.regroup = lambda *a: dataclasses.replace(regroup(*a), loaded=None)
+        return made
+
+    pool.make_rank = make_rank
+    ctl = _controller(_live_job(), pool)
+    _steps(ctl, 4)
+    regrouped = _events(ctl, "placed")[-1]
+    assert (
+        "in place from scratch (no checkpoint yet) (the peers' memory lacked"
+        in (regrouped["message"])
+    )
+    assert "None" not in regrouped["message"]
+
+
+def test_an_unexpected_error_after_a_start_frees_the_new_group():
+    ctl = _controller(tiny_job(steps=8), scripted_pool(Script(), capacity=2))
+    ctl.step()
+    ctl._carried = None  # a bug in what follows a start
+    assert _steps(ctl, 1) == [(Starting, Failed)] and ctl.state.reason == "internal_error"
+    assert ctl.pool.used == 0
+
+
+def test_a_re_forming_below_min_dp_says_why_it_restarts():
+    script = Script(kill={(1, 1, 6)}, redundancy=1)
+    pool = scripted_pool(script, capacity=2)
+    ctl = _controller(_live_job(resources={"min_dp": 2}), pool)
+    assert _steps(ctl, 5)[3:] == [(Running, Regrouping), (Regrouping, Resizing)]
+    (below,) = [e for e in _events(ctl, "resize") if e["reason"] == "below_min_dp"]
+    assert "1 replica(s) left, fewer than min_dp 2" in below["message"]
+    ctl.run()
+    assert ctl.record.status == JobState.SUCCEEDED
