@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from workers.spec import GPTModelSpec, JobSpec
+from workers.spec import MAX_DP, MAX_MP, GPTModelSpec, JobSpec
 from zeroservice.autoconf import auto_configure
 from zeroservice.config import ZeroConfig
 
@@ -99,6 +99,8 @@ def resolve(spec: JobSpec, memory_per_rank: int) -> tuple[JobSpec, dict[str, Any
             micro_batch=spec.micro_batch,
             seq_len=spec.model.seq_len,
             mp=res.mp if elastic else None,
+            max_mp=MAX_MP,
+            max_dp=MAX_DP,
             device=res.device,
             collectives=concrete.collectives,
             persistence_elements=concrete.stage3_persistence_elements,

@@ -215,14 +215,21 @@ class OptimizerSpec(_Strict):
         return value
 
 
+MAX_DP = 4096
+"""The most data-parallel replicas a job may name."""
+MAX_MP = 64
+"""The most model-parallel ranks a replica may have."""
+
+
 class ResourcesSpec(_Strict):
-    dp: int = Field(1, ge=1, le=4096)
-    """Data-parallel ranks to start with."""
-    mp: int = Field(1, ge=1, le=64)
+    dp: int = Field(1, ge=1, le=MAX_DP)
+    """Data-parallel replicas; with ``min_dp``/``max_dp`` the default of both: a job
+    starts with as many replicas as fit, from min_dp up to max_dp."""
+    mp: int = Field(1, ge=1, le=MAX_MP)
     """Model-parallel (tensor-parallel) ranks per replica; packed on one node."""
-    min_dp: int | None = Field(None, ge=1, le=4096)
+    min_dp: int | None = Field(None, ge=1, le=MAX_DP)
     """The job shrinks down to this many replicas on worker loss (default: dp)."""
-    max_dp: int | None = Field(None, ge=1, le=4096)
+    max_dp: int | None = Field(None, ge=1, le=MAX_DP)
     """The job grows back up to this many replicas when capacity returns (default: dp)."""
     gpus_per_rank: Literal[0, 1] = 0
     """1: each rank takes one GPU (NCCL); 0: CPU ranks (gloo)."""
@@ -314,6 +321,22 @@ class TrackingSpec(_Strict):
     operator set another). A tenant may name only a server the operator allows."""
     experiment: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\w.\- /]+$")
     """The MLflow experiment; default: the tenant's name."""
+
+
+MAX_LEAF_MODULES = 256
+"""The most ``stage3_leaf_modules`` names a job may give (a model has a handful of
+leaf classes; each name is matched against every module whenever the spec is read)."""
+MAX_NAME_CHARS = 256
+
+
+def _bounded_names(field: str, names: list | tuple) -> None:
+    """Refuse a list of names too long to be a model's, naming the bound: a spec is
+    validated wherever it is read (the scheduler's every pass among them)."""
+    if len(names) > MAX_LEAF_MODULES:
+        raise ValueError(f"{field}: {len(names)} names, at most {MAX_LEAF_MODULES} are taken")
+    for i, name in enumerate(names):
+        if isinstance(name, str) and len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"{field}[{i}]: a name of at most {MAX_NAME_CHARS} characters")
 
 
 _BLOCK_NAME = re.compile(r"^blocks\.(0|[1-9][0-9]*)(\..+)?$")
@@ -460,6 +483,8 @@ class JobSpec(_Strict):
         otherwise fail every rank at start. Other model kinds are checked where the control
         plane builds them, on the worker that measures them (model_size.py)."""
         leaves = self.engine.get("stage3_leaf_modules")
+        if isinstance(leaves, list | tuple):
+            _bounded_names("engine.stage3_leaf_modules", leaves)
         if not leaves or not isinstance(self.model, GPTModelSpec):
             return
         error = _gpt_leaf_error(dataclasses.astuple(self.model.gpt_config()), tuple(leaves))

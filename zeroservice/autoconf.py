@@ -134,6 +134,8 @@ def auto_configure(
     micro_batch: int = 1,
     seq_len: int | None = None,
     mp: int | None = None,
+    max_mp: int | None = None,
+    max_dp: int | None = None,
     device: str = "cpu",
     collectives: str = "auto",
     persistence_elements: int | None = None,
@@ -147,6 +149,8 @@ def auto_configure(
     """The configuration with the least predicted step time whose predicted peak, with
     ``margin``, fits ``memory_per_rank`` bytes. See [Note: automatic configuration].
     ``mp``: weigh only that N_m (an elastic job's replicas keep their size).
+    ``max_mp``, ``max_dp``: weigh only splits within these degrees (a job spec's bounds),
+    so the choice is one the caller can run.
     ``device``: "cpu" (the budget is resident host memory) or "cuda" (GPU memory).
     ``collectives`` and ``persistence_elements``: the engine's ``collectives`` and
     ``stage3_persistence_elements``, which auto keeps as the job names them. Every
@@ -182,6 +186,9 @@ def auto_configure(
         raise ValueError(
             f"collective_seconds: must be a finite number >= 0, got {collective_seconds!r}"
         )
+    for name, bound in (("max_mp", max_mp), ("max_dp", max_dp)):
+        if bound is not None:
+            _check_int(name, bound, 1)
     if mp is not None:
         _check_int("mp", mp, 1)
         if world % mp or gpt.n_head % mp or gpt.vocab_size % mp:
@@ -207,8 +214,15 @@ def auto_configure(
     candidates = [
         AutoCandidate(c, predict_peak(c), _step_seconds(c, *rates))
         for c in _configurations(gpt, world, precision, micro_batch, seq_len, device, extra)
-        if mp is None or c.mp == mp
+        if (mp is None or c.mp == mp)
+        and (max_mp is None or c.mp <= max_mp)
+        and (max_dp is None or c.dp <= max_dp)
     ]
+    if not candidates:
+        raise ValueError(
+            f"world: no split of {world} ranks into N_d <= {max_dp} and N_m <= {max_mp} "
+            f"divides the heads ({gpt.n_head}) and the vocabulary ({gpt.vocab_size})"
+        )
     smallest = min(candidates, key=lambda a: (a.peak.peak, a.step_seconds))
     need = _need(margin, reserve_bytes)
     fitting = [a for a in candidates if need(a) <= memory_per_rank]

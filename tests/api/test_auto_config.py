@@ -220,3 +220,25 @@ def test_a_tiled_vocabulary_is_configured_without_model_parallelism(harness):
     fixed = {**spec, "resources": {"dp": 1, "min_dp": 1, "max_dp": 2, "mp": 2}}
     r = harness.client.post("/v1/plan", json={"spec": fixed}, headers=h)
     assert r.status_code == 422 and "model.vocab_tiles: 4 with resources.mp 2" in r.text, r.text
+
+
+def test_auto_weighs_only_splits_the_spec_can_hold():
+    """128 heads on 128 GPUs: the fastest split overall is N_m = 128, beyond the spec's
+    64; auto answers the fastest split within it instead of one the spec refuses."""
+    model = {"n_layer": 2, "dim": 8192, "n_head": 128, "vocab_size": 65536, "seq_len": 256}
+    spec = {**SMALL, "model": model, "micro_batch": 1}
+    spec["resources"] = {"dp": 128, "gpus_per_rank": 1}
+    job = JobSpec.model_validate(spec)
+    unbounded = auto_configure(
+        job.model.gpt_config(), world=128, memory_per_rank=80 * GIB, micro_batch=1, device="cuda"
+    )
+    assert unbounded.choice is not None and unbounded.choice.config.mp > 64
+    resolved, weighed = resolve(job, 80 * GIB)
+    assert 1 <= resolved.resources.mp <= 64 and resolved.resources.dp * resolved.resources.mp == 128
+    assert weighed["choice"]["mp"] == resolved.resources.mp
+
+
+def test_a_world_with_no_split_within_the_bounds_is_refused_naming_them():
+    gpt = JobSpec.model_validate(SMALL).model.gpt_config()  # 4 heads
+    with pytest.raises(ValueError, match=r"N_d <= 2 and N_m <= 4 .* heads \(4\)"):
+        auto_configure(gpt, world=64, memory_per_rank=GIB, max_dp=2, max_mp=4)

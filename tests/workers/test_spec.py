@@ -71,6 +71,14 @@ def _error(body) -> str:
             {"engine": {"stage": 3, "stage3_leaf_modules": ["blocks"]}},
             "'blocks' names blocks, a ModuleList",
         ),
+        (
+            {"engine": {"stage": 3, "stage3_leaf_modules": ["MLP"] * 257}},
+            "engine.stage3_leaf_modules: 257 names, at most 256 are taken",
+        ),
+        (
+            {"engine": {"stage": 3, "stage3_leaf_modules": ["MLP", "M" * 257]}},
+            "engine.stage3_leaf_modules[1]: a name of at most 256 characters",
+        ),
         ({"data": {"kind": "text"}}, "data.path: required"),
         ({"data": {"kind": "synthetic", "path": "x"}}, "synthetic data reads no file"),
         ({"optimizer": {"lr": -1}}, "optimizer.lr"),
