@@ -82,6 +82,10 @@ def tenant_by_name(session: Session, name: str) -> Tenant | None:
     return session.execute(select(Tenant).where(Tenant.name == name)).scalar_one_or_none()
 
 
+PREFIX_LENGTH = 10
+"""How many of a drawn token's first characters the store keeps to list it by."""
+
+
 def create_token(
     session: Session,
     tenant: Tenant,
@@ -94,7 +98,7 @@ def create_token(
     row = ApiToken(
         tenant_id=tenant.id,
         token_hash=hash_token(token),
-        prefix=token[:10],
+        prefix=token[:PREFIX_LENGTH],
         admin=admin,
         name=name,
         expires_at=expires_at,
@@ -120,14 +124,19 @@ def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | N
         if len(provisioned) < 20:
             raise ValueError("ZEROSERVICE_ADMIN_TOKEN: use at least 20 random characters")
         digest = hash_token(provisioned)
-        if session.execute(select(ApiToken).where(ApiToken.token_hash == digest)).first():
+        label = provisioned_prefix(digest)
+        row = session.execute(select(ApiToken).where(ApiToken.token_hash == digest)).scalar()
+        if row is not None:
+            if row.prefix != label:  # stored by an older version: the secret's own start
+                row.prefix = label
+                session.commit()
             return None
         tenant = tenant_by_name(session, "admin") or create_tenant(session, "admin")
         session.add(
             ApiToken(
                 tenant_id=tenant.id,
                 token_hash=digest,
-                prefix=provisioned[:10],
+                prefix=label,
                 admin=True,
                 name="provisioned",
             )
@@ -140,12 +149,22 @@ def bootstrap_admin(session: Session, provisioned: str | None = None) -> str | N
     return create_token(session, tenant, admin=True, name="bootstrap")[0]
 
 
+def provisioned_prefix(digest: str) -> str:
+    """What a provisioned token is listed by: its digest's start, never the secret's
+    (an operator's token is chosen, not drawn: its own first characters would be a
+    readable part of it in the store and its backups)."""
+    return "sha256:" + digest[:8]
+
+
 def revoke_token(session: Session, prefix: str, caller: Principal) -> int:
     """Revoke every live token starting with ``prefix`` (literally: ``%`` and ``_`` match
     only themselves); never the caller's own (it would lock the caller out
-    mid-rotation): Conflict then."""
-    query = select(ApiToken).where(ApiToken.prefix.startswith(prefix, autoescape=True), _live())
-    return _revoke(session, list(session.execute(query).scalars()), caller)
+    mid-rotation): Conflict then. The store keeps a token's first ``PREFIX_LENGTH``
+    characters, so a longer prefix (more of the token pasted) matches by those."""
+    near = ApiToken.prefix.startswith(prefix[:PREFIX_LENGTH], autoescape=True)
+    rows = session.execute(select(ApiToken).where(near, _live())).scalars()
+    matching = [r for r in rows if r.prefix.startswith(prefix) or prefix.startswith(r.prefix)]
+    return _revoke(session, matching, caller)
 
 
 def revoke_token_by_id(session: Session, token_id: int, caller: Principal) -> int:

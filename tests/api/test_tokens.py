@@ -169,3 +169,42 @@ def test_revocations_sent_at_once_count_the_token_once(database_url, tmp_path):
     finally:
         harness.client.close()
         harness.service.engine.dispose()
+
+
+def test_a_longer_prefix_revokes_by_the_characters_the_store_keeps(harness):
+    """8 to 16 characters are taken: the store keeps 10, so pasting more of the token
+    still finds it (and a different 11th character does not)."""
+    made = [_make(harness, "alice") for _ in range(2)]
+    admin = harness.headers(harness.admin)
+    token = made[0]["token"]
+    other = "A" if token[10] != "A" else "B"
+    r = harness.client.post("/v1/tokens/revoke", json={"prefix": token[:10] + other}, headers=admin)
+    assert r.status_code == 200, r.text  # the 11th character is not kept: it matches
+    assert not _works(harness, token) and _works(harness, made[1]["token"])
+    r = harness.client.post(
+        "/v1/tokens/revoke", json={"prefix": made[1]["token"][:16]}, headers=admin
+    )
+    assert r.json() == {"revoked": 1} and not _works(harness, made[1]["token"])
+
+
+def test_a_provisioned_admin_token_is_listed_by_its_digest_not_its_characters(
+    database_url, tmp_path
+):
+    secret = "Abcdefghij0123456789-operator"
+    h = Harness(database_url, tmp_path / "data", admin_token=secret)
+    try:
+        listed = h.client.get("/v1/tokens", headers=h.headers(secret)).json()
+        (row,) = [t for t in listed if t["name"] == "provisioned"]
+        assert row["prefix"].startswith("sha256:") and secret[:4] not in row["prefix"]
+        h.client.post("/v1/tenants", json={"name": "ops"}, headers=h.headers(secret))
+        made = h.client.post(
+            "/v1/tokens", json={"tenant": "ops", "admin": True}, headers=h.headers(secret)
+        )
+        creator = made.json()["token"]
+        r = h.client.post(
+            "/v1/tokens/revoke", json={"prefix": row["prefix"]}, headers=h.headers(creator)
+        )
+        assert r.json() == {"revoked": 1} and not _works(h, secret)
+    finally:
+        h.client.close()
+        h.service.engine.dispose()
