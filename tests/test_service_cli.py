@@ -245,6 +245,15 @@ def test_a_malformed_job_file_is_a_one_line_error_before_any_request(tmp_path, c
         assert err.count("\n") == 1 and f"{tmp_path / name}: {message}" in err, err
 
 
+def _alias_bomb(levels: int) -> str:
+    """A few hundred bytes of YAML whose aliases stand for 10**levels values."""
+    lines = ["x0: &x0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, levels):
+        lines.append(f"x{i}: &x{i} [" + ", ".join([f"*x{i - 1}"] * 10) + "]")
+    lines.append(f"a: [*x{levels - 1}]")
+    return "\n".join(lines) + "\n"
+
+
 def test_values_json_cannot_carry_are_a_one_line_error_naming_the_field(tmp_path, capsys):
     """NaN, infinities, YAML's dates, binary and sets, a node holding itself, nesting
     past the limit: each named, before any request (none is served here)."""
@@ -260,6 +269,7 @@ def test_values_json_cannot_carry_are_a_one_line_error_naming_the_field(tmp_path
         "key.yaml": ("model: {1: x}\n", "model: the key 1 is not text"),
         "deep.json": ('{"model": {"kwargs": {"x": ' + deep + "}}}", "nested deeper than 64 levels"),
         "deeper.json": ("[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels"),
+        "aliases.yaml": (_alias_bomb(9), "more than 100,000 values (at x4[7][8][8][8][9]"),
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)

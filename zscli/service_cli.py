@@ -84,19 +84,28 @@ def _load_spec(path: str) -> dict[str, Any]:
         raise ValueError("empty: no job spec in it")
     if not isinstance(spec, dict):
         raise ValueError(f"a job spec is a mapping of fields, not a {type(spec).__name__}")
-    _check_json(spec, "", 0, set())
+    _check_json(spec, "", 0, set(), [0])
     return spec
 
 
 MAX_DEPTH = 64
 """Nesting a job spec may have here (the API allows 16 levels inside its free-form
 fields); deeper is refused before anything is sent."""
+MAX_VALUES = 100_000
+"""Values a job spec may hold, counted as sent: YAML aliases repeat a node without
+repeating its text, so a few hundred bytes can stand for billions of values."""
 
 
-def _check_json(value: Any, where: str, depth: int, open_: set[int]) -> None:
+def _check_json(value: Any, where: str, depth: int, open_: set[int], count: list[int]) -> None:
     """ValueError naming the field whose value JSON cannot carry: NaN or infinity, a
-    YAML date, binary or set, a container holding itself, or nesting past MAX_DEPTH."""
+    YAML date, binary or set, a container holding itself, nesting past MAX_DEPTH, or
+    more than MAX_VALUES values in all (``count``: those seen so far)."""
     name = where or "the spec"
+    count[0] += 1
+    if count[0] > MAX_VALUES:
+        raise ValueError(
+            f"more than {MAX_VALUES:,} values (at {name[:60]}: YAML aliases repeated?)"
+        )
     if depth > MAX_DEPTH:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels (at {name[:60]}...)")
     if isinstance(value, bool) or value is None or isinstance(value, str | int):
@@ -118,7 +127,7 @@ def _check_json(value: Any, where: str, depth: int, open_: set[int]) -> None:
         if isinstance(value, dict) and not isinstance(key, str):
             raise ValueError(f"{name}: the key {key!r} is not text (quote it)")
         inner = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
-        _check_json(item, inner, depth + 1, open_)
+        _check_json(item, inner, depth + 1, open_, count)
     open_.discard(id(value))
 
 
