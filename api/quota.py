@@ -71,13 +71,20 @@ def within_quota(session: Session, tenant_id: int, spec: JobSpec, usage: dict) -
 
 
 def check_submission(
-    session: Session, who: Principal, spec: JobSpec, priority: int | None, settings: Settings
+    session: Session,
+    who: Principal,
+    spec: JobSpec,
+    priority: int | None,
+    settings: Settings,
+    hold: bool = True,
 ) -> int:
     """The job's priority (``None``: the default, see ``JobSubmit.priority``), or
-    OverLimit unless the job may be queued now for this tenant. The tenant is held
-    until the session ends (see ``_hold_tenant``): the caller stores the job in it."""
+    OverLimit unless the job may be queued now for this tenant. With ``hold`` the
+    tenant is held until the session ends (see ``_hold_tenant``): the caller stores
+    the job in it; without, the same answer as a first look (before the costly plan)."""
     _fits_the_cluster(spec, settings)
-    _hold_tenant(session, who.tenant_id)
+    if hold:
+        _hold_tenant(session, who.tenant_id)
     tenant = session.get(Tenant, who.tenant_id)
     assert tenant is not None
     if priority is None:

@@ -26,7 +26,8 @@ _WHY = {
     409: "the request conflicts with the object's state or a unique name",
     413: "the body is larger than the service accepts",
     422: "the request's form or what it asks is refused, naming the field or the numbers",
-    429: "this token's rate or its tenant's queue is at its limit (with Retry-After)",
+    429: "this token's rate, its tenant's queue or its tenant's model builds in flight "
+    "are at their limit (with Retry-After)",
     503: "the store or the cluster does not answer now (with Retry-After)",
 }
 

@@ -78,6 +78,7 @@ from .confine import checkpoint_base, checkpoint_path
 from .db import Job, utcnow
 from .metrics import ApiMetrics
 from .settings import Settings
+from .text_guard import storable
 
 LEASE = "scheduler"
 POLL_THREADS = 8
@@ -145,8 +146,8 @@ class Scheduler:
             try:
                 self.tick()
                 self.last_error = None
-            except Exception as exc:  # keep scheduling; readyz reports it
-                self.last_error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # keep scheduling; readyz reports its kind, the log all
+                self.last_error = type(exc).__name__
                 log.exception("scheduler tick failed")
             self._stop.wait(self.settings.scheduler_interval_s)
 
@@ -245,6 +246,7 @@ class Scheduler:
         if snap is None:
             self._replace_supervisor(session, job)
             return
+        snap = storable(snap)
         limits = self.settings
         store.add_events(session, job, snap["events"], limits.max_events_per_job)
         store.add_log_lines(session, job, snap["logs"], limits.max_log_lines_per_job)

@@ -3,6 +3,7 @@ control plane's metrics and the per-token rate limiter."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from zeroservice.planner import PlanError
 from . import store
 from .auto_config import AutoRefused, is_auto, resolve
 from .backend import Backend
+from .build_slots import BuildSlots
 from .confine import Refused, confine
 from .db import make_engine, session_factory
 from .errors import Rejected
@@ -50,16 +52,21 @@ class Service:
         self.sessions = session_factory(self.engine)
         self._metrics_read: tuple[float, dict[str, Any]] | None = None
         self.rate = RateLimiter(settings.rate_per_s, settings.rate_burst)
+        self.builds = BuildSlots(settings.plan_builds_per_tenant)
         self.metrics = ApiMetrics(self._live_metrics)
         self.scheduler = Scheduler(self.sessions, backend, settings, self.metrics)
         self.start_scheduler = start_scheduler
         with self.sessions() as session:
             self.bootstrap_token = store.bootstrap_admin(session, settings.admin_token)
 
-    def count_parameters(self, spec: JobSpec) -> int:
-        """A non-GPT model's size, measured on a worker within the configured bounds."""
+    def count_parameters(self, spec: JobSpec, tenant: str) -> int:
+        """A non-GPT model's size, measured on a worker within the configured bounds, in
+        one of the tenant's build slots (see api/build_slots.py)."""
         s = self.settings
-        return self.backend.count_parameters(spec, s.plan_timeout_s, int(s.plan_memory_gib * GIB))
+        memory = int(s.plan_memory_gib * GIB)
+        return self.builds.run(
+            tenant, lambda: self.backend.count_parameters(spec, s.plan_timeout_s, memory)
+        )
 
     def confined_plan(
         self, spec: JobSpec, tenant: str, device_memory_gib: float | None, refuse: bool
@@ -72,7 +79,8 @@ class Service:
             if is_auto(spec):  # see api/auto_config.py
                 _, limit = memory_limit(spec, self.settings, device_memory_gib)
                 spec, auto = resolve(spec, limit)
-            plan = plan_job(spec, self.settings, self.count_parameters, device_memory_gib, refuse)
+            count = functools.partial(self.count_parameters, tenant=tenant)
+            plan = plan_job(spec, self.settings, count, device_memory_gib, refuse)
         except (Refused, ModelNotBuildable) as exc:
             raise Rejected(422, str(exc)) from None
         except PlanError as exc:  # a combination of fields the planner cannot lay out

@@ -112,6 +112,9 @@ class Settings:
     """How long building a factory or transformers model for its plan may take."""
     plan_memory_gib: float = 4.0
     """How much memory that build may take on its worker."""
+    plan_builds_per_tenant: int = 2
+    """How many such builds one tenant may have in flight at once (more: 429): each
+    holds a request thread while it waits."""
     max_events_per_job: int = 10_000
     """Events kept per job (the newest; older ones are deleted)."""
     max_log_lines_per_job: int = 10_000
@@ -205,6 +208,7 @@ class Settings:
             if f"ZEROSERVICE_{name.upper()}" in env:
                 kwargs[name] = _number(env, f"ZEROSERVICE_{name.upper()}", float)
         for name in (
+            "plan_builds_per_tenant",
             "max_events_per_job",
             "max_log_lines_per_job",
             "max_history_per_job",

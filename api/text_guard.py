@@ -42,6 +42,22 @@ def bad_string_path(value: Any, path: str = "") -> str | None:
     return None
 
 
+def storable(value: Any) -> Any:
+    """``value`` with every key and string made storable: a NUL or an unpaired
+    surrogate replaced by U+FFFD. For what the cluster reports (a supervisor's
+    messages carry a rank's exception text, which a tenant's model can choose): one
+    such report must not stop a job's sync, as a refused write on PostgreSQL would."""
+    if isinstance(value, str):
+        if not _bad(value):
+            return value
+        return "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in value)
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
 class TextGuard:
     """ASGI middleware; runs inside BodyLimit, which bounds and replays the body."""
 
@@ -105,6 +121,25 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+MAX_DEPTH = 512
+"""The deepest nesting a body may have. Fixed well below the interpreter's recursion
+limit: the routes parse the body again further down the stack than this guard, and a
+depth between the two would fail there as a bare 400."""
+
+
+def _deeper_than(value: Any, most: int) -> bool:
+    """Whether ``value`` nests lists and objects deeper than ``most`` (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > most:
+                return True
+            items = node.values() if isinstance(node, dict) else node
+            stack.extend((item, depth + 1) for item in items if isinstance(item, dict | list))
+    return False
+
+
 def _refused_body(body: bytes) -> str | None:
     """Why a JSON body is refused before any route reads it, or None. JSON that Python
     reads only past its own limits (an integer of more than 4300 digits, nesting deeper
@@ -115,7 +150,10 @@ def _refused_body(body: bytes) -> str | None:
     if encoding is not None:
         return f"body: JSON must be UTF-8 text (RFC 8259); this body is {encoding}"
     try:
-        where = bad_string_path(json.loads(body, object_pairs_hook=_unique_keys))
+        value = json.loads(body, object_pairs_hook=_unique_keys)
+        if _deeper_than(value, MAX_DEPTH):
+            return f"body: nested deeper than {MAX_DEPTH} levels"
+        where = bad_string_path(value)
     except DuplicateKey as exc:
         return f"body: the key {exc.key[:64]!r} appears twice in one object"
     except json.JSONDecodeError:

@@ -3,6 +3,8 @@ metrics token or an admin's, where the service has a metrics token)."""
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -11,18 +13,22 @@ from sqlalchemy import text
 from ..deps import MetricsReader, ServiceDep, SessionDep
 from ..responses import ANY_REQUEST, errors
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"], responses=errors(*ANY_REQUEST))
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
+    """On the event loop itself: it answers while every request thread is busy."""
     return {"status": "ok"}
 
 
 @router.get("/readyz")
 def readyz(service: ServiceDep, db: SessionDep) -> JSONResponse:
     """200 when the store and the cluster answer and the scheduler runs; 503 with the
-    problems otherwise. Also this replica's scheduling role."""
+    problems otherwise. Also this replica's scheduling role. Anyone may ask, so a
+    problem is named by its kind only (an error's text can carry addresses, users and
+    SQL); the service's log has the whole error."""
     problems = []
     try:
         db.execute(text("SELECT 1"))
@@ -36,7 +42,8 @@ def readyz(service: ServiceDep, db: SessionDep) -> JSONResponse:
     try:
         service.backend.capacity()
     except Exception as exc:
-        problems.append(f"cluster: {exc}")
+        log.warning("readiness: the cluster does not answer: %s", exc)
+        problems.append(f"cluster: {type(exc).__name__}")
     body = {
         "status": "ready" if not problems else "not ready",
         "problems": problems,

@@ -10,9 +10,11 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Response
 from sqlalchemy.orm import Session
 
+from workers.spec import JobSpec
 from workers.state import ACTIVE, TERMINAL, JobState
 
 from .. import job_cursor, quota, store
+from ..auth import Principal
 from ..auto_config import configured_event
 from ..backend import SupervisorSilent
 from ..confine import checkpoint_base
@@ -31,7 +33,7 @@ from ..schemas import (
     LogLine,
     MetricsOut,
 )
-from ..service import MAX_ID
+from ..service import MAX_ID, Service
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=errors(*AUTHENTICATED))
 Cursor = Annotated[int, Query(ge=0, le=MAX_ID)]
@@ -67,12 +69,13 @@ def submit(
         found = store.by_submission(db, who.tenant_id, body.submission_id)
         if found is not None:
             return _retried(db, found, digest, response)
+    # The checks that cost nothing come first: a model is built (on the cluster) and
+    # auto searched only for a job that may be queued; they are made again, the tenant
+    # held, on the spec as planned (auto may split its world otherwise).
+    _may_queue(db, who, body.spec, body.priority, service, hold=False)
     spec, plan = service.confined_plan(body.spec, who.tenant, None, refuse=True)
     auto = plan.get("auto")
-    try:
-        priority = quota.check_submission(db, who, spec, body.priority, service.settings)
-    except quota.OverLimit as over:
-        raise Rejected(over.status, str(over)) from None
+    priority = _may_queue(db, who, spec, body.priority, service, hold=True)
     try:
         created = store.submit(
             db,
@@ -91,6 +94,20 @@ def submit(
     if not created.created:  # the same submission_id stored meanwhile
         return _retried(db, created.job, digest, response)
     return _out(db, created.job, with_spec=True)
+
+
+def _may_queue(
+    db: Session,
+    who: Principal,
+    spec: JobSpec,
+    priority: int | None,
+    service: Service,
+    hold: bool,
+) -> int:
+    try:
+        return quota.check_submission(db, who, spec, priority, service.settings, hold=hold)
+    except quota.OverLimit as over:
+        raise Rejected(over.status, str(over)) from None
 
 
 def _retried(db: Session, job: Job, digest: str, response: Response) -> JobOut:

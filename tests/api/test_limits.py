@@ -4,6 +4,8 @@ strings and large bodies are refused with a 4xx that names the field."""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -182,6 +184,13 @@ def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
     [
         (b'{"spec": {"steps": ' + b"9" * 5000 + b"}}", "body: a number has more than 4300 digits"),
         (b"[" * 3000 + b"]" * 3000, "body: nested too deep"),
+        *[  # deep enough to fail the route's own parse, further down the stack
+            (
+                b'{"spec": {"engine": {"x": ' + b"[" * d + b"1" + b"]" * d + b"}}}",
+                "body: nested deeper than 512 levels",
+            )
+            for d in (520, 700, 963, 970)
+        ],
         (b'{"spec": {"model": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5002, "body: nested too deep"),
         (b'{"spec": {"name": "\xff"}}', "body: not UTF-8 text (byte 0xff at offset 19)"),
         (
@@ -214,3 +223,68 @@ def test_json_past_the_parsers_limits_is_refused_as_bad_input(harness, body, det
     r = harness.client.post("/v1/jobs", content=body, headers=h)
     assert r.status_code == 422 and r.json()["detail"] == detail, r.text
     assert _jobs_stored(harness) == 0
+
+
+_BUILT_MODEL = {
+    "kind": "transformers",
+    "architecture": "GPT2LMHeadModel",
+    "vocab_size": 64,
+    "seq_len": 8,
+    "config": {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 64, "n_positions": 8},
+}
+
+
+@pytest.mark.parametrize(
+    "resources,route,status",
+    [
+        ({}, "/v1/jobs", 429),  # the queue is full
+        ({"cpus_per_rank": 256}, "/v1/jobs", 422),  # larger than the cluster
+        ({"cpus_per_rank": 256}, "/v1/plan", 422),
+        ({"dp": 4}, "/v1/jobs", 422),  # beyond the rank quota
+        ({"dp": 4}, "/v1/plan", 422),
+    ],
+)
+def test_a_job_that_could_not_be_queued_builds_no_model(harness, resources, route, status):
+    """A model other than the reference GPT is built on the cluster to be planned: a
+    spec the cluster, the quotas or the queue refuse is refused before that."""
+    alice = harness.headers(harness.tenant_token("alice"))
+    admin = harness.headers(harness.admin)
+    limits = {"max_queued_jobs": 0, "max_ranks": 2}
+    assert harness.client.put("/v1/tenants/alice/limits", json=limits, headers=admin).is_success
+    spec = {**TINY, "model": _BUILT_MODEL, "resources": {**TINY["resources"], **resources}}
+    r = harness.client.post(route, json={"spec": spec}, headers=alice)
+    assert r.status_code == status, r.text
+    assert harness.backend.counted == []
+    r = harness.client.post("/v1/plan", json={"spec": {**spec, "resources": {}}}, headers=alice)
+    assert r.status_code == 200 and len(harness.backend.counted) == 1  # a plan that may run
+
+
+def test_a_tenants_model_builds_in_flight_are_bounded(harness):
+    """Two builds of one tenant wait on the cluster; its third plan is a 429 at once,
+    while another tenant's plan and the health probe are answered."""
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def slow(spec, timeout_s, memory_bytes):  # a build waiting on the cluster
+        started.release()
+        release.wait(30)
+        return 4464
+
+    harness.backend.count_parameters = slow
+    alice = harness.headers(harness.tenant_token("alice"))
+    bob = harness.headers(harness.tenant_token("bob"))
+    body = {"spec": {**TINY, "model": _BUILT_MODEL}}
+    with ThreadPoolExecutor(3) as pool:
+        waiting = [pool.submit(harness.client.post, "/v1/plan", json=body, headers=alice)]
+        waiting.append(pool.submit(harness.client.post, "/v1/plan", json=body, headers=alice))
+        assert started.acquire(timeout=30) and started.acquire(timeout=30)
+        third = harness.client.post("/v1/plan", json=body, headers=alice)
+        assert third.status_code == 429 and third.headers["Retry-After"], third.text
+        assert "2 model builds of this tenant are running" in third.json()["detail"]
+        assert harness.client.get("/healthz").status_code == 200
+        other = pool.submit(harness.client.post, "/v1/plan", json=body, headers=bob)
+        assert started.acquire(timeout=30)  # bob's build started beside alice's two
+        release.set()
+        assert [w.result().status_code for w in waiting] == [200, 200]
+        assert other.result().status_code == 200
+    again = harness.client.post("/v1/plan", json=body, headers=alice)
+    assert again.status_code == 200  # the slots came back

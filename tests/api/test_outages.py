@@ -73,3 +73,27 @@ def test_metrics_scrapes_reuse_one_reading_of_the_store(harness):
         assert harness.client.get("/metrics").status_code == 200
     reads = [s for s in statements if "FROM jobs" in s]
     assert len(reads) == 2  # the counts by status and the active jobs, once
+
+
+def test_text_the_store_cannot_hold_in_a_supervisors_report_is_stored_replaced(harness):
+    """A rank's exception text (chosen by a tenant's model) carries a NUL: PostgreSQL
+    refuses it, and a refused write would roll back every sync of the job."""
+    alice = harness.headers(harness.tenant_token("alice"))
+    job = harness.client.post("/v1/jobs", json={"spec": TINY}, headers=alice).json()["id"]
+    harness.tick()
+    harness.backend.move(job, "running", step=1)
+    harness.tick()
+    bad = "rank 0: RuntimeError: bad\x00token \ud800"
+    with harness.backend.lock:
+        state = harness.backend.jobs[job]
+        state["events"].append({"kind": "restart", "reason": "x\x00", "message": bad, "step": 1})
+        state["logs"].append(bad)
+    harness.backend.move(job, "failed", "training_error", step=2, message=bad)
+    harness.tick()
+    got = harness.client.get(f"/v1/jobs/{job}", headers=alice).json()
+    assert (
+        got["status"] == "failed"
+        and got["message"] == "rank 0: RuntimeError: bad\ufffdtoken \ufffd"
+    )
+    events = harness.client.get(f"/v1/jobs/{job}/events", headers=alice).json()
+    assert any(e["message"] == got["message"] for e in events), events
