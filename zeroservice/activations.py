@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -436,7 +437,8 @@ class ActivationCheckpointer:
             return original(inp, *rest, **kwargs)
 
         def rerun(inp: torch.Tensor):
-            return module(inp, *rest, **kwargs)
+            with _engine_hooks_only(module):  # see [Note: a recomputed block's own hooks]
+                return module(inp, *rest, **kwargs)
 
         # The anchor needs a gradient, so the block's output does even when its input
         # does not: backward always reaches the recomputation (and the parameters).
@@ -543,10 +545,35 @@ def _is_cache(value: Any) -> bool:
 
 def _foreign_hooks(hooks: dict) -> bool:
     """Any hook that is not the engine's own (stage 3's gather and release)."""
-    return any(
-        not getattr(getattr(h, "func", h), "__module__", "").startswith("zeroservice.")
-        for h in hooks.values()
-    )
+    return any(not _engine_hook(h) for h in hooks.values())
+
+
+def _engine_hook(hook: Any) -> bool:
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("zeroservice.")
+
+
+_BLOCK_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _engine_hooks_only(block: nn.Module) -> Iterator[None]:
+    """[Note: a recomputed block's own hooks]
+    The recomputation calls the block again, so that the engine's own hooks on it run
+    (stage 3 gathers its weights). The model's hooks on the block itself have run
+    already, around the checkpointed call: a pre-hook changed the input the checkpoint
+    keeps, a forward hook the output, a backward hook sees the gradients at the
+    block's boundary. Run again inside, they applied twice (a pre-hook doubling the
+    input doubled it again; a gradient-reversal hook reversed the gradient twice).
+    So the recomputation runs with the engine's hooks alone, as torch's own
+    checkpoint calls the hooks once."""
+    saved = {attr: getattr(block, attr) for attr in _BLOCK_HOOKS}
+    for attr, hooks in saved.items():
+        setattr(block, attr, OrderedDict((k, h) for k, h in hooks.items() if _engine_hook(h)))
+    try:
+        yield
+    finally:
+        for attr, hooks in saved.items():
+            setattr(block, attr, hooks)
 
 
 def _owned_outside(root: nn.Module, blocks: list[nn.Module]) -> set[int]:

@@ -273,3 +273,62 @@ def test_a_loss_never_back_propagated_leaves_the_arena_to_the_next_step(stage):
     # arena again, and it is never sized for the kept forward.
     assert r["overflows"] == [0, 2, 2, 2, 4, 4, 4]
     assert len(set(r["arena"])) == 1
+
+
+def _reversed(module: nn.Module, grad_input, grad_output):
+    return tuple(None if g is None else -0.5 * g for g in grad_input)
+
+
+HOOKS: dict[str, Callable[[nn.Module], object]] = {
+    "gradient reversal": lambda m: m.register_full_backward_hook(_reversed),
+    "output gradient scaled": lambda m: m.register_full_backward_pre_hook(
+        lambda _, grads: tuple(None if g is None else 2.0 * g for g in grads)
+    ),
+    "input doubled": lambda m: m.register_forward_pre_hook(lambda _, args: (args[0] * 2,)),
+    "output halved": lambda m: m.register_forward_hook(lambda _, args, out: out * 0.5),
+}
+
+
+def _hooked_block(stage: int, hook: str) -> dict:
+    """The model's own hook on a checkpointed block runs once per call, as without
+    checkpointing (see [Note: a recomputed block's own hooks] in activations.py)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    reference = _Blocks()
+    model = _Blocks()
+    model.load_state_dict(reference.state_dict())
+    calls = {"reference": 0, "engine": 0}
+    for name, m in (("reference", reference), ("engine", model)):
+        m.blocks[1].register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+        HOOKS[hook](m.blocks[1])
+    ddp = DDP(reference)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    engine = zeroservice.initialize(
+        model, {"stage": stage, **CHECKPOINTED}, lambda ps: torch.optim.SGD(ps, lr=0.1)
+    )
+    out: dict = {"reference": [], "engine": []}
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        out["reference"].append(mean_over_ranks(loss.item()))
+        loss = F.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        out["engine"].append(mean_over_ranks(loss.item()))
+    engine.close()
+    out["calls"] = calls
+    return out
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_hook_on_a_checkpointed_block_runs_once_per_call(stage, hook):
+    r = run_local(_hooked_block, 2, stage, hook, timeout_s=120)[0]
+    torch.testing.assert_close(
+        torch.tensor(r["engine"]), torch.tensor(r["reference"]), rtol=1e-5, atol=0
+    )
+    assert r["calls"]["engine"] == r["calls"]["reference"] == STEPS
