@@ -72,6 +72,8 @@ class PlannedParameters:
         self._kinds = [(p.dtype, p.device) for p in self._params]
         self._fixed_storage = fixed_storage
         self._addresses = [p.data_ptr() for p in self._params] if fixed_storage else []
+        self._accumulate_hooks = [_accumulate_hooks(p) for p in self._params]
+        """At stages 0-2: each parameter's post-accumulate hooks, the engine's last."""
         seen: set[int] = set()
         self._tree = []
         """Per module (once each): its children and the names of its parameter slots."""
@@ -100,6 +102,8 @@ class PlannedParameters:
         self.check_flags()
         if not self._fixed_storage:
             self._check_no_hooks()
+        else:
+            self._check_accumulate_hooks()
 
     def _check_tree(self) -> None:
         """A module replaced (``model.head = nn.Linear(...)``) keeps its old parameters
@@ -184,6 +188,24 @@ class PlannedParameters:
             "`zeroservice checkpoint export`>)"
         )
 
+    def _check_accumulate_hooks(self) -> None:
+        """A post-accumulate hook added after ``initialize`` would run after the engine's,
+        which has already reduced (stages 0-1) or staged and freed (stage 2) the
+        gradient: a hook that clamps or scales it would change nothing, or meet None."""
+        added = [
+            n
+            for n, p, had in zip(self._names, self._params, self._accumulate_hooks, strict=True)
+            if _accumulate_hooks(p) > had
+        ]
+        if added:
+            raise RuntimeError(
+                f"forward: {some_names(added, 5)} carry post-accumulate gradient hooks "
+                "registered after initialize (register_post_accumulate_grad_hook): they "
+                "would run after the engine's own, which has already reduced the "
+                "gradient. Register them before initialize (they then run first, as under "
+                "DDP), or use register_hook"
+            )
+
     def _check_no_hooks(self) -> None:
         hooked = gradient_hooked(zip(self._names, self._params, strict=True))
         if hooked:
@@ -194,3 +216,7 @@ class PlannedParameters:
                 "the hooks would never run: change the gradient in the module's forward "
                 "instead, or use stage 0, 1 or 2"
             )
+
+
+def _accumulate_hooks(param: nn.Parameter) -> int:
+    return len(getattr(param, "_post_accumulate_grad_hooks", None) or {})
