@@ -68,6 +68,11 @@ def initialize(
         config = ZeroConfig.from_dict(config)
     elif not isinstance(config, ZeroConfig):
         raise ConfigError(f"config: expected ZeroConfig or dict, got {type(config).__name__}")
+    else:
+        # Checked again, and the engine's own copy: a field set after the config was
+        # built (cfg.stage = 2.0) skipped every check, and the engine read some fields
+        # live from the caller's object.
+        config = ZeroConfig.from_dict(config.to_dict())
     if optimizer is None:
         raise ConfigError(
             "optimizer: pass a factory, e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4)"

@@ -12,6 +12,7 @@ from torch import nn
 import zeroservice
 from zeroservice import ConfigError, ZeroConfig, from_deepspeed
 from zeroservice.config import KNOWN_MOE_LEAVES, LossScaleConfig, ScheduleConfig
+from zeroservice.launch import run_local
 from zeroservice.precision import DynamicLossScaler
 from zeroservice.schedule import lr_factor
 
@@ -526,3 +527,26 @@ def test_fields_of_the_wrong_type_are_refused_by_name(fields, message):
     named at construction, not fail (or pass) later on the ranks."""
     with pytest.raises(ConfigError, match=message):
         ZeroConfig.from_dict(fields)
+
+
+def _initialize_mutated(field: str, value) -> str:
+    config = ZeroConfig()
+    setattr(config, field, value)  # after its checks ran
+    try:
+        zeroservice.initialize(nn.Linear(4, 4), config, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("stage", 2.0, "stage: 2.0 must be an integer"),
+        ("gradient_clipping", float("nan"), "gradient_clipping: nan must be a finite number"),
+        ("precision", "fp8", "precision: 'fp8' is not one of"),
+        ("quantized_weights", True, "quantized_weights: needs stage 3"),
+    ],
+)
+def test_a_field_set_after_the_config_was_built_is_checked_at_initialize(field, value, message):
+    assert message in run_local(_initialize_mutated, 1, field, value, timeout_s=60)[0]
