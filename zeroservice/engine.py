@@ -47,7 +47,12 @@ from .memory import (
 )
 from .naming import some_names
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
-from .placeholder_state import guard_placeholders, reading_own_state
+from .placeholder_state import (
+    PlaceholderWrites,
+    check_not_released,
+    guard_placeholders,
+    reading_own_state,
+)
 from .planned_params import PlannedParameters
 from .precision import (
     DynamicLossScaler,
@@ -114,10 +119,16 @@ class Engine:
         self.ledger = comm.CommLedger()
         dtype = param_dtype(config.precision)
         construct.check_unwrapped(module)
+        check_not_released(module)
         construct.check_materialised(module)
         if self.policy.partitions_params:
             construct.check_no_gradient_hooks(module)
         check_param_dtypes(module, config.precision)
+        for p in module.parameters():
+            # A gradient from before (a smoke-test backward, gradient-based init) is no
+            # step's: DDP's first zero_grad drops it, and the engine's buffers hold each
+            # step's gradients from here (stage 2 staged it into the first step).
+            p.grad = None
         template, opt_group = group_of_params(optimizer, trainable_parameters(module))
         self.layout = plan_layout(
             module,
@@ -191,8 +202,13 @@ class Engine:
             )
         self.awaiting_state = restored
         """Built with ``init=RESTORED``: no weights until a load or a restore."""
+        self.closed = False
+        """After ``close``: every training call is refused by name."""
         shard_rank = self.dp_rank if self.policy.shard_world > 1 else 0
         self.gatherer: ParamGatherer | None = None
+        self._placeholder_writes: PlaceholderWrites | None = None
+        """Stage 3: writes to the placeholders, refused (see [Note: a write to a
+        placeholder] in placeholder_state.py)."""
         self._forward_reads: ForwardReads | None = None
         """Stage 3 at N_d > 1: the per-forward consensus on the weights read."""
         self.units: list[FlatUnit]
@@ -301,6 +317,7 @@ class Engine:
                     group, module, self.units, leaf_units, self._interrupt
                 )
             guard_placeholders(module, self.units)
+            self._placeholder_writes = PlaceholderWrites(self.units)
         self.optimizer = ShardedOptimizer(
             self.trainable_units,
             self.policy,
@@ -388,6 +405,8 @@ class Engine:
     # -- the training step --------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._require_state("forward")
+        if self._placeholder_writes is not None:
+            self._placeholder_writes.check("forward")
         if torch.is_grad_enabled():
             self._planned.check()
             self.host_trim()  # what the last step freed: see [Note: host heap trimming]
@@ -427,7 +446,16 @@ class Engine:
             self._discard_step()
             raise
 
+    def _require_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"{what}: the engine was closed (its hooks and collectives are gone); "
+                "initialize a new one to go on (at stages 0-2 engine.module keeps the "
+                "trained weights)"
+            )
+
     def _require_state(self, what: str) -> None:
+        self._require_open(what)
         if self.awaiting_state:
             raise RuntimeError(
                 f"{what}: the engine was built with init=zeroservice.RESTORED and holds no "
@@ -479,6 +507,7 @@ class Engine:
         return self.micro_steps == self.config.gradient_accumulation_steps - 1
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._require_open("backward")
         if self.micro_steps >= self.config.gradient_accumulation_steps:
             raise RuntimeError(
                 f"backward: {self.micro_steps} micro-batches already accumulated "
@@ -524,6 +553,7 @@ class Engine:
 
     def step(self) -> StepReport:
         """Call after every backward; updates the weights after the step's last micro-batch."""
+        self._require_open("step")
         if self.state.value is not TrainingState.ACCUMULATED:
             raise RuntimeError("step: no backward since the last step; call engine.backward first")
         self._take_stray_gradients("step")
@@ -532,8 +562,9 @@ class Engine:
             return StepReport(False, None, False, factor, self.loss_scale)
         self._check_gather_digest()
         scale = self.loss_scale
-        self.state.move(TrainingState.STEPPING)
+        # Before the move: a rate refused here leaves the step to be taken again.
         self.optimizer.set_lr_factor(factor)
+        self.state.move(TrainingState.STEPPING)
         result: StepResult = self.optimizer.step(
             self.reducer.grad_shards(), scale, self.config.gradient_clipping
         )
@@ -606,6 +637,8 @@ class Engine:
         its weights] in forward_writes.py)."""
         if self._forward_writes is not None:
             self._forward_writes.step_ended()
+        if self._placeholder_writes is not None:
+            self._placeholder_writes.written_by_engine()
 
     def _discard_step(self) -> None:
         """Drop the step's gradients so far; the engine is between steps again."""
@@ -720,6 +753,8 @@ class Engine:
         from .checkpoint.background import save_in_background
 
         self._require_state("save_checkpoint")
+        if self._placeholder_writes is not None:
+            self._placeholder_writes.check("save_checkpoint")
         self.wait_for_save()
         self._saves += 1
         root = self._slice_root(root, must_exist=False)
@@ -928,6 +963,10 @@ class Engine:
 
         At stage 3 every rank must call it: units are gathered one at a time.
         """
+        if self.gatherer is not None:  # stages 0-2: the module keeps its weights
+            self._require_open("state_dict")
+        if self._placeholder_writes is not None:
+            self._placeholder_writes.check("state_dict")
         with reading_own_state():  # placeholders read on purpose, replaced below
             state = self.module.state_dict()
         if self.gatherer is None:
@@ -955,8 +994,11 @@ class Engine:
         parameters are empty placeholders (take ``state_dict()`` first). After an
         interrupt a background save is not waited for: it is a collective of the group
         given up, and without its manifest it never counts as a checkpoint."""
+        if self.closed:
+            return
         if not self._interrupt.fired:
             self.wait_for_save()
+        self.closed = True
         self.reducer.remove_hooks()
         for handle in self._forward_stops:
             handle.remove()

@@ -12,6 +12,16 @@ own ``state_dict`` reads the module's buffers through ``module.state_dict()`` in
 ``reading_own_state()`` and then puts the gathered weights in place of the
 placeholders. The hooks stay after ``close()``: the parameters stay placeholders.
 Inside a forward, where the modules serve gathered weights, nothing is refused.
+
+[Note: a write to a placeholder]
+Between forwards, an in-place write through a stage-3 parameter (weight clipping as in
+WGAN, ``p.mul_(...)`` or a re-initialisation under ``no_grad``) lands on the empty
+placeholder and changes nothing, so training would go on with the weights as they
+were, silently. Each placeholder's version counter is read when the engine last wrote
+the weights (built, stepped, loaded, restored) and held against the counters at every
+forward, ``state_dict`` and save: a changed one is refused by name, once, on the rank
+that wrote (the engine then goes on with the weights it holds). A write through
+``p.data`` moves no counter and is not seen.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from typing import Any
 
 from torch import nn
 
+from .config import ConfigError
 from .flat import FlatUnit
 from .naming import some_names
 
@@ -41,8 +52,25 @@ def reading_own_state() -> Iterator[None]:
         _reading -= 1
 
 
+_RELEASED = "_zeroservice_placeholders"
+"""Set on a model whose parameters a stage-3 engine made placeholders."""
+
+
+def check_not_released(root: nn.Module) -> None:
+    """A model a stage-3 engine partitioned holds empty placeholders for good (also
+    after that engine's ``close``): another engine built on it would train them."""
+    if root.__dict__.get(_RELEASED):
+        raise ConfigError(
+            "model: a stage-3 engine partitioned this model, and its parameters are empty "
+            "placeholders (the weights lived in that engine's shards). Build the model "
+            "again and load the weights (engine.state_dict() or an exported checkpoint "
+            "taken before close), or initialize(..., init=<state-dict file>)"
+        )
+
+
 def guard_placeholders(root: nn.Module, units: list[FlatUnit]) -> None:
     """Hook every module that registers a partitioned parameter (by each of its names)."""
+    root.__dict__[_RELEASED] = True
     owned: dict[int, tuple[nn.Module, list[str]]] = {}
     for unit in units:
         for slot in unit.slots:
@@ -86,3 +114,34 @@ def _refuse_load(leaves: list[str], module: nn.Module, state: dict, prefix: str,
             "engine.load_checkpoint(path), or start from a state-dict file with "
             "zeroservice.initialize(..., init=path)"
         )
+
+
+class PlaceholderWrites:
+    """The placeholders' version counters as the engine last left them (see [Note: a
+    write to a placeholder])."""
+
+    def __init__(self, units: list[FlatUnit]):
+        slots = [slot for unit in units for slot in unit.slots if slot.numel]
+        self._params = [slot.param for slot in slots]
+        self._names = [slot.names[0] for slot in slots]
+        self._versions = self._now()
+
+    def _now(self) -> list[int]:
+        return [p._version for p in self._params]
+
+    def written_by_engine(self) -> None:
+        self._versions = self._now()
+
+    def check(self, where: str) -> None:
+        now = self._now()
+        changed = [n for n, a, b in zip(self._names, self._versions, now, strict=True) if a != b]
+        self._versions = now  # refused once: the engine goes on with the weights it holds
+        if changed:
+            raise RuntimeError(
+                f"{where}: {some_names(changed)} were written in place since the engine's "
+                "last step (a write under no_grad, weight clipping, a re-initialisation). At "
+                "stage 3 the model's parameters are empty placeholders outside a forward and "
+                "the weights live in shards across the ranks, so the write changed nothing. "
+                "Change weights before initialize, load them (engine.load_checkpoint, or "
+                "initialize(..., init=<state-dict file>)), or train this model at stage 0-2"
+            )

@@ -175,15 +175,19 @@ def rate_changed_outside(spec: GroupSpec, path: str) -> dict:
     train(engine, 2)
     engine.save_checkpoint(path)
     inner = engine.optimizer.optimizer
+    set_by_engine = [g["lr"] for g in inner.param_groups]
     torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5).step()
     try:
         train(engine, 1, first=2)
         refused = "no error"
     except RuntimeError as exc:
         refused = str(exc)
+    for group, lr in zip(inner.param_groups, set_by_engine, strict=True):
+        group["lr"] = lr  # put back: the refused step is taken again
+    retried = engine.step().applied
     resumed = engine_for(spec)
     resumed.load_checkpoint(path)
-    return {"refused": refused, "resumed": train(resumed, 2, first=2)}
+    return {"refused": refused, "retried": retried, "resumed": train(resumed, 2, first=2)}
 
 
 class ScaledSGD(torch.optim.SGD):

@@ -202,3 +202,35 @@ def test_what_is_watched_follows_where_a_write_could_be_kept():
     assert between_steps_reason(1, "fp32", offload=False) is None  # the masters are shards
     assert between_steps_reason(3, "bf16", offload=False) is None  # refused as a load
     assert "masters are the weights" in (between_steps_reason(2, "fp16", offload=False) or "")
+
+
+def _write_between_steps(where: str) -> dict:
+    """Weight clipping after each step, as a WGAN's critic does, at stage 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    engine = zeroservice.initialize(model, {"stage": 3}, _adamw)
+    train = functools.partial(
+        run_engine, engine, _batches, 1, loss_fn=lambda m, b: m(b[0]).pow(2).mean()
+    )
+    out: dict = {"losses": train(keep_state=False).losses}
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.clamp_(-0.05, 0.05)
+    try:
+        if where == "forward":
+            train(keep_state=False)
+        else:
+            engine.state_dict()
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    out["after"] = train(keep_state=False).losses  # refused once
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("where", ["forward", "state_dict"])
+def test_a_write_to_a_stage_3_placeholder_between_steps_is_refused_by_name(where):
+    """The write lands on an empty placeholder: training on would ignore it silently."""
+    r = run_local(_write_between_steps, 2, where, timeout_s=120)[0]
+    assert r["error"].startswith(f"{where}: 0.weight, 0.bias, 2.weight and 1 more were written"), r
+    assert "empty placeholders outside a forward" in r["error"] and len(r["after"]) == 1

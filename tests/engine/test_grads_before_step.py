@@ -101,3 +101,42 @@ def test_a_pruning_mask_on_the_grads_gives_ddps_losses(stage):
     torch.testing.assert_close(
         torch.tensor(r[stage]["losses"]), torch.tensor(r["ddp"]), rtol=1e-5, atol=0
     )
+
+
+def _after_a_stale_backward(stage: int) -> dict:
+    """A backward run on the model before ``initialize`` (a smoke test) leaves a
+    ``.grad`` on every parameter: it belongs to no step. DDP's loop drops it at its
+    first zero_grad; SGD shows any of it that reaches a step."""
+    model = _model()
+    model(_data(99)).pow(2).mean().backward()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ddp = DDP(reference)
+    expected = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = ddp(_data(step)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        expected.append(mean_over_ranks(loss.item()))
+    engine = zeroservice.initialize(model, {"stage": stage}, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    losses = []
+    for step in range(3):
+        loss = engine(_data(step)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(mean_over_ranks(loss.item()))
+    state = engine.state_dict()
+    engine.close()
+    weights = {k: v for k, v in reference.state_dict().items()}
+    return {"losses": losses, "expected": expected, "state": state, "weights": weights}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_gradient_from_before_initialize_reaches_no_step(stage):
+    r = run_local(_after_a_stale_backward, 2, stage, timeout_s=120)[0]
+    torch.testing.assert_close(
+        torch.tensor(r["losses"]), torch.tensor(r["expected"]), rtol=1e-5, atol=0
+    )
+    for name, value in r["weights"].items():
+        torch.testing.assert_close(r["state"][name], value, rtol=1e-5, atol=1e-7)

@@ -116,6 +116,7 @@ def test_a_rate_changed_outside_the_engine_is_refused(tmp_path, stage):
         "optimizer: param group 0's lr was changed outside the engine (to "
     ), r["refused"]
     assert "configure the schedule there" in r["refused"]
+    assert r["retried"]  # the refusal left the step to be taken again
     assert len(r["resumed"]) == 2
 
 
