@@ -547,8 +547,7 @@ class JobController:
             if isinstance(restarted, Failed):
                 group.shutdown(clean=False)
                 return restarted
-            # A replica is whole or gone: a lost rank's MP partners leave with it.
-            leaving = [r for r in range(group.world) if r // mp in replicas]
+            leaving = self._whole_replicas(stop.ranks, group.world)
             without = (
                 f"rank(s) {leaving}" if mp == 1 else f"replica(s) {replicas} (ranks {leaving})"
             )
@@ -564,6 +563,12 @@ class JobController:
         if stop.why in (Interruption.ERROR, Interruption.REFUSED):
             return Failed(reason=stop.why.value, message=stop.message)
         return self._restart(stop.why.value, stop.message, ranks=stop.ranks)
+
+    def _whole_replicas(self, ranks: list[int], world: int) -> list[int]:
+        """``ranks`` with their MP partners: a replica is whole or gone."""
+        mp = self.spec.resources.mp
+        replicas = {r // mp for r in ranks}
+        return [r for r in range(world) if r // mp in replicas]
 
     # -- live resize ---------------------------------------------------------------------
     def _regroup(self, state: Regrouping) -> State:
@@ -590,7 +595,7 @@ class JobController:
             # The status stays "resizing": without this event the message would be lost.
             self.record.event("resize", "regroup_failed", message)
             return Resizing(reason=state.reason, message=message)
-        late = group.dead() if state.lost else []  # lost since the others were dropped
+        late = self._whole_replicas(group.dead(), group.world) if state.lost else []
         if late and not group.drop(late, SETTLE_S):
             group.shutdown(clean=False)
             return self._restart(state.reason, f"rank(s) {late} lost while re-forming")

@@ -725,10 +725,13 @@ def test_ranks_lost_together_are_dropped_together_and_fall_back_in_place():
     assert "the peers' memory lacked" in regrouped["message"]
 
 
-def test_a_rank_found_dead_after_the_others_were_dropped_is_dropped_too():
+@pytest.mark.parametrize("mp", [1, 2])
+def test_a_rank_found_dead_after_the_others_were_dropped_is_dropped_too(mp):
+    """With model parallelism its MP partner leaves with it: a replica is whole or gone."""
     script = Script(redundancy=1, kill={(1, 1, 6)})
-    pool = scripted_pool(script, capacity=3)
-    ctl = _controller(_live_job(resources={"dp": 3, "min_dp": 1, "max_dp": 3}), pool)
+    pool = scripted_pool(script, capacity=3, mp=mp)
+    resources = {"dp": 3, "min_dp": 1, "max_dp": 3, "mp": mp}
+    ctl = _controller(_live_job(resources=resources), pool)
     _steps(ctl, 4)
     assert isinstance(ctl.state, Regrouping)
     group = ctl.state.group
@@ -736,13 +739,13 @@ def test_a_rank_found_dead_after_the_others_were_dropped_is_dropped_too():
 
     def drop_then_another_dies(ranks, settle_s):
         dropped = drop(ranks, settle_s)
-        if dropped and group.world == 2:
-            group._gone.add(1)  # the old rank 2, now 1: its process died meanwhile
+        if dropped and group.world == 2 * mp:
+            group._gone.add(mp)  # a rank of the second replica left: its process died
         return dropped
 
     group.drop = drop_then_another_dies
     assert _steps(ctl, 1) == [(Regrouping, Running)]
-    assert ctl.group.dp == 1 and ctl.record.restarts == 1
+    assert ctl.group.dp == 1 and ctl.group.world == mp and ctl.record.restarts == 1
 
 
 def test_a_cancel_while_waiting_for_room_ends_cancelled_at_once():
