@@ -52,6 +52,18 @@ def _process_bytes(field: str) -> int:
         return 0
 
 
+def _reset_process_peak(cuda: bool) -> None:
+    """The allocator's or the process's peak starts again at what is held now, so that
+    a step's ``peak`` is its own: a rank process outlives its engines (a live
+    re-forming), and a lifetime peak would repeat an earlier engine's in every step.
+    On a CPU, ``/proc/self/clear_refs`` = 5 resets VmHWM to VmRSS (Linux)."""
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        return
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 class SupervisorSuperseded(RuntimeError):
     """A re-forming asked by a supervisor older than the one that settled this rank
     (see [Note: supervisor terms]). Train and save refuse such calls with an empty
@@ -132,6 +144,10 @@ class RankWorker:
         self._collectives_before: dict[tuple[str, str], dict[str, float]] = {}
         """The collectives' totals at the last step: the next one's bandwidth is of what
         moved since."""
+        self._collectives_of_dropped: dict[tuple[str, str], dict[str, float]] = {}
+        """The totals of the engines this process dropped (a live re-forming builds a new
+        engine, whose ledger starts at 0): the exported counters add them, so that
+        they never go down while the process lives."""
         self._last: dict[str, Any] = {}
         self.saved_step = -1
         self._busy = threading.Lock()
@@ -464,8 +480,13 @@ class RankWorker:
             restarts=restarts, workers=world, step=self.step, tokens=self.tokens_trained
         )
         self._comm_start = self._comm_totals()  # start-up traffic is no step-phase's
+        for key, agg in self._collectives_before.items():  # the engine before this one
+            kept = self._collectives_of_dropped.setdefault(key, {"bytes": 0, "seconds": 0.0})
+            kept["bytes"] += agg["bytes"]
+            kept["seconds"] += agg["seconds"]
         self._collectives_before = {}
-        self._collectives()  # nor is it the first step's bandwidth
+        totals = self._collectives()  # nor is it the first step's bandwidth
+        self.metrics.update(collectives={k: {**c, "busbw": 0.0} for k, c in totals.items()})
         self._start_step = self.step
         self._phase = RankPhase.READY
         if laps is not None:
@@ -550,8 +571,10 @@ class RankWorker:
         losses: dict[int, float] = {}
         steps: list[dict[str, Any]] = []
         volume_per_step, seconds = 0, 0.0
+        on_cuda = torch.cuda.is_available() and engine.units[0].flat.is_cuda
         while self.step < until:
             engine.reset_memory_peaks()  # the metrics report each step's own peaks
+            _reset_process_peak(on_cuda)
             t0 = time.perf_counter()
             volume0 = engine.comm_ledger().volume_elements()
             total = 0.0
@@ -673,27 +696,36 @@ class RankWorker:
         return int(peak)
 
     def _collectives(self) -> dict[tuple[str, str], dict[str, float]]:
-        """Per (op, group): payload bytes and seconds so far (the counters), and the bus
-        bandwidth of the collectives since the last call (the last step's; 0 for an op
-        the step did not issue)."""
+        """Per (op, group): payload bytes and seconds this process moved so far (the
+        counters: the engines it dropped included), and the bus bandwidth of the
+        collectives since the last call (the last step's; 0 for an op the step did not
+        issue). The bus bytes are summed per ledger entry, each with its own group's
+        factor: one op may run over groups of two sizes (hpZ's node group beside the
+        whole group, two-hop qgZ)."""
         assert self.engine is not None
         out: dict[tuple[str, str], dict[str, float]] = {}
         sources = [("dp", self.engine.comm_ledger())] + [("mp", led) for led in self._mp_ledgers]
         for group, ledger in sources:
             for stats in ledger.entries.values():
-                agg = out.setdefault((stats.op, group), {"bytes": 0, "seconds": 0.0, "n": 0})
+                agg = out.setdefault((stats.op, group), {"bytes": 0, "seconds": 0.0, "bus": 0.0})
                 agg["bytes"] += stats.payload_bytes
                 agg["seconds"] += stats.seconds
-                agg["n"] = stats.world_size
+                agg["bus"] += stats.payload_bytes * bus_factor(stats.op, stats.world_size)
         before, self._collectives_before = self._collectives_before, out
-        for key, agg in out.items():
-            b0, s0 = (before[key]["bytes"], before[key]["seconds"]) if key in before else (0, 0.0)
-            if agg["bytes"] < b0:  # a ledger started afresh (a new group): all of it is new
-                b0, s0 = 0, 0.0
-            moved, seconds = agg["bytes"] - b0, agg["seconds"] - s0
-            bw = moved / seconds if seconds > 0 else 0.0
-            agg["busbw"] = bw * bus_factor(key[0], int(agg["n"]))
-        return out
+        exported: dict[tuple[str, str], dict[str, float]] = {}
+        for key in out.keys() | self._collectives_of_dropped.keys():
+            agg = out.get(key, {"bytes": 0, "seconds": 0.0, "bus": 0.0})
+            was = before.get(key, {"bytes": 0, "seconds": 0.0, "bus": 0.0})
+            if agg["bytes"] < was["bytes"]:  # a ledger started afresh: all of it is new
+                was = {"bytes": 0, "seconds": 0.0, "bus": 0.0}
+            seconds = agg["seconds"] - was["seconds"]
+            kept = self._collectives_of_dropped.get(key, {"bytes": 0, "seconds": 0.0})
+            exported[key] = {
+                "bytes": kept["bytes"] + agg["bytes"],
+                "seconds": kept["seconds"] + agg["seconds"],
+                "busbw": (agg["bus"] - was["bus"]) / seconds if seconds > 0 else 0.0,
+            }
+        return exported
 
     def _comm_totals(self) -> dict[tuple[str, str, str], tuple[int, float, int, int]]:
         """Per (group, op, tag): payload bytes, seconds, calls, world size so far."""

@@ -155,6 +155,7 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
     collectives'."""
     from workers.metrics import RankMetrics
     from zeroservice.comm import bus_factor
+    from zeroservice.memory import process_status_kib
 
     worker = _worker(spec_json, root, restoring=False)
     engine, spec = worker.engine, worker.spec
@@ -168,25 +169,29 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
     engine.step()
     large = engine.memory_ledger()
 
-    def totals() -> dict[str, tuple[int, float, int]]:
-        """Per op: bytes and seconds so far, summed in the ledger's order as the rank
-        sums them (so the step's difference is the same float)."""
-        out: dict[str, tuple[int, float, int]] = {}
+    def totals() -> dict[str, tuple[float, float]]:
+        """Per op: bus bytes (each entry's payload times its own group's nccl-tests
+        factor) and seconds so far, summed in the ledger's order as the rank sums them
+        (so the step's difference is the same float)."""
+        out: dict[str, tuple[float, float]] = {}
         for s in engine.comm_ledger().entries.values():
-            b, sec, _ = out.get(s.op, (0, 0.0, 0))
-            out[s.op] = (b + s.payload_bytes, sec + s.seconds, s.world_size)
+            bus, sec = out.get(s.op, (0.0, 0.0))
+            out[s.op] = (bus + s.payload_bytes * bus_factor(s.op, s.world_size), sec + s.seconds)
         return out
 
     before = totals()
     worker._collectives()  # the hand-trained step is not the loop's either
     worker.tokens = 10**6  # the job's position, as a restart restores it
+    held = torch.ones(64 * 2**20)  # 256 MiB the process held and gave back before the step
+    del held
+    lifetime_peak = process_status_kib("VmHWM") * 1024
     worker._train(1)
     after = engine.memory_ledger()
     expected_busbw: dict[str, float] = {}
-    for op, (b, sec, n) in totals().items():
-        b0, s0, _ = before.get(op, (0, 0.0, 0))
-        moved, seconds = b - b0, sec - s0
-        expected_busbw[op] = moved / seconds * bus_factor(op, n) if seconds > 0 else 0.0
+    for op, (bus, sec) in totals().items():
+        bus0, s0 = before.get(op, (0.0, 0.0))
+        seconds = sec - s0
+        expected_busbw[op] = (bus - bus0) / seconds if seconds > 0 else 0.0
     exported = {
         (
             fam,
@@ -211,6 +216,8 @@ def metrics_of_a_step(spec_json: str, root: str) -> dict:
             for op in expected_busbw
         },
         "expected_busbw": expected_busbw,
+        "peak": exported[("zeroservice_memory_bytes", (("kind", "peak"),))],
+        "lifetime_peak": lifetime_peak,
         "tokens": exported[("zeroservice_tokens", ())],
         "tokens_per_step": worker._tokens_per_step(),
     }
@@ -225,3 +232,44 @@ def set_up_error(spec_json: str, root: str) -> str:
     assert worker.engine is not None
     worker.engine.close()
     return ""
+
+
+def counters_through_a_regroup(spec_json: str, root: str) -> dict:
+    """The collective counters a rank exports before, right after and one step after
+    a live re-forming in the same process (its new engine's ledger starts at 0)."""
+    import ray.util
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ray.util.get_node_ip_address = lambda: "127.0.0.1"  # no Ray here: the node is loopback
+    worker = RankWorker("job", dist.get_rank(), spec_json)
+    worker.root, worker.use_cuda = root, False
+    worker.topo = zeroservice.build_topology(1)
+    worker._rendezvous = "local"
+    worker._build(restoring=False)
+    worker._ready(dist.get_world_size(), 0, "node", None, laps=Laps())
+
+    def totals() -> dict[str, float]:
+        assert worker.metrics is not None
+        text = generate_latest(worker.metrics.registry).decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("zeroservice_collective_") and sample.name.endswith(
+                    "_total"
+                ):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        return out
+
+    worker.train(3)
+    before = totals()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    port = worker.open_rendezvous("127.0.0.1") if rank == 0 else None
+    ports = [None] * world
+    dist.all_gather_object(ports, port)
+    worker.regroup("127.0.0.1", ports[0], world, rank, root, 0, "node", False, 0)
+    regrouped = totals()
+    worker.train(4)
+    after = totals()
+    worker.close()
+    return {"before": before, "regrouped": regrouped, "after": after}

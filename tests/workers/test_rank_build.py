@@ -70,8 +70,9 @@ def test_a_rank_refuses_the_calls_of_a_supervisor_older_than_the_one_that_settle
 def test_a_steps_exported_peaks_and_bandwidth_are_its_own(tmp_path):
     """After a step of 8x the batch trained by hand, the loop's next step exports its
     own activation and gathered peaks (below the large step's) and the bus bandwidth of
-    its own collectives (the start-up broadcast: none); the tokens counter counts what
-    the process trained, from 0 whatever position the job resumed at."""
+    its own collectives (the start-up broadcast: none), and its own process peak; the
+    tokens counter counts what the process trained, from 0 whatever position the job
+    resumed at."""
     spec = tiny_job(engine={"stage": 3, "bucket_elements": 4096, "activation_checkpointing": True})
     for r in run_local(rs.metrics_of_a_step, 2, spec.model_dump_json(), str(tmp_path)):
         assert r["after"][0] < r["large"][0] and r["after"][1] <= r["large"][1], r
@@ -81,6 +82,8 @@ def test_a_steps_exported_peaks_and_bandwidth_are_its_own(tmp_path):
         assert r["busbw"]["all_gather"] > 0
         # The tokens counter is this process's training, not the job's restored position.
         assert r["tokens"] == r["tokens_per_step"]
+        # The process's peak is the step's, not the 256 MiB held and freed before it.
+        assert r["peak"] < r["lifetime_peak"] - 200 * 2**20, r
 
 
 @pytest.mark.parametrize(
@@ -99,3 +102,12 @@ def test_data_that_cannot_serve_is_the_jobs_configuration_error(tmp_path, data, 
     spec = tiny_job(data={**data, "path": str(tmp_path / data["path"])})
     (error,) = run_local(rs.set_up_error, 1, spec.model_dump_json(), str(tmp_path / "ckpt"))
     assert error.startswith("ConfigError: data.path: ") and said in error, error
+
+
+def test_collective_counters_never_go_down_through_a_live_re_forming(tmp_path):
+    """The re-formed group's engine starts a new ledger; the process's counters carry on
+    from what the dropped engine moved (a counter going down reads as a reset)."""
+    spec = tiny_job(engine={"stage": 2, "bucket_elements": 4096, "redundancy": "host-copy"})
+    for r in run_local(rs.counters_through_a_regroup, 2, spec.model_dump_json(), str(tmp_path)):
+        for name in ("zeroservice_collective_bytes_total", "zeroservice_collective_seconds_total"):
+            assert 0 < r["before"][name] <= r["regrouped"][name] < r["after"][name], (name, r)
