@@ -63,8 +63,13 @@ class GPTConfig:
         return v * d + self.seq_len * d + self.n_layer * block + 2 * d + head
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N plus the attention term (12 * layers * dim * seq)."""
-        return 6 * self.num_params() + 12 * self.n_layer * self.dim * self.seq_len
+        """Training FLOPs per token: 6 per parameter that multiplies in each token's step
+        (the position table and an untied token embedding are looked up, not
+        multiplied; a tied embedding is the head's matmul), plus the attention term
+        (12 * layers * dim * seq)."""
+        lookups = self.seq_len * self.dim + (0 if self.tie_weights else self.vocab_size * self.dim)
+        matmuls = self.num_params() - lookups
+        return 6 * matmuls + 12 * self.n_layer * self.dim * self.seq_len
 
 
 def _tp(mp: MPGroup | None) -> MPGroup | None:
