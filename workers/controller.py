@@ -314,6 +314,7 @@ class JobController:
         previous = self.record.dp
         with self.record.lock:
             self.record.dp = dp
+        self.record.keep_ranks(dp * self.spec.resources.mp)
         if previous and previous != dp:
             self.record.event(
                 "resize",

@@ -16,7 +16,8 @@ the ranks' reports into one *point* per step (``step_points``):
 A point covers ``steps`` consecutive steps ending at ``step``: 1 at full resolution.
 The control plane keeps every step up to a limit; past it the *stride* doubles and
 the points of each window of ``stride`` steps are merged into one (``merge``: means
-weighted by steps, the last schedule values, the largest memory peak), so a job's
+weighted by steps, the throughput as all the tokens over all the seconds, the last
+schedule values, the largest memory peak), so a job's
 history stays between half the limit and the limit, evenly spaced, however long the
 job runs. Windows are aligned on absolute step numbers (``window``), so merging never
 depends on when points arrived.
@@ -102,11 +103,27 @@ def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             out[key] = y if x is None else x
         else:
             out[key] = (x * na + y * nb) / (na + nb)
+    rate = _throughput((a, na), (b, nb))
+    if rate is not None:  # a mean of rates is not the rate: 1 s and 3 s steps of 1000
+        out["tokens_per_second"] = rate  # tokens each ran at 500 tokens/s, not 667
     for key in _LAST:
         out[key] = b.get(key) if b.get(key) is not None else a.get(key)
     peaks = [p for p in (a.get("memory_peak_bytes"), b.get("memory_peak_bytes")) if p]
     out["memory_peak_bytes"] = max(peaks) if peaks else None
     return out
+
+
+def _throughput(*sides: tuple[dict[str, Any], int]) -> float | None:
+    """Tokens per second over the points' steps together, or None where a side lacks
+    its rate or its step time."""
+    tokens = seconds = 0.0
+    for point, steps in sides:
+        rate, step_seconds = point.get("tokens_per_second"), point.get("step_seconds")
+        if rate is None or not step_seconds:
+            return None
+        tokens += rate * step_seconds * steps
+        seconds += step_seconds * steps
+    return tokens / seconds
 
 
 def downsample(points: list[dict[str, Any]], stride: int) -> list[dict[str, Any]]:

@@ -95,10 +95,17 @@ class JobRecord:
                 self.losses[s] = sum(values) / len(values)
             for s in sorted(self.losses)[: max(0, len(self.losses) - MAX_LOSSES)]:
                 del self.losses[s]
-            for chunk in chunks:
-                self.rank_stats[chunk.rank] = {"step": chunk.step, **chunk.stats}
+            for chunk in chunks:  # a chunk without stats (steps a lost call trained) keeps them
+                self.rank_stats.setdefault(chunk.rank, {}).update(step=chunk.step, **chunk.stats)
             for r, s in stats.items():
                 self.rank_stats.setdefault(r, {}).update(s)
+
+    def keep_ranks(self, world: int) -> None:
+        """The group has ``world`` ranks now: the stats of ranks beyond it (gone with a
+        shrink) are dropped, not served as if they were still training."""
+        with self.lock:
+            for r in [r for r in self.rank_stats if r >= world]:
+                del self.rank_stats[r]
 
     def add_points(self, points: list[dict[str, Any]]) -> None:
         """The chunk's per-step points (workers/history.py), oldest first."""

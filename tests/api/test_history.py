@@ -135,6 +135,17 @@ def test_merge_and_downsample_cover_every_step_once():
     assert merge(merged[0], merged[1])["loss"] == 4.5
 
 
+def test_a_merged_throughput_is_the_tokens_over_the_seconds():
+    fast = {"step": 1, "steps": 1, "step_seconds": 1.0, "tokens_per_second": 1000.0}
+    slow = {"step": 2, "steps": 1, "step_seconds": 3.0, "tokens_per_second": 1000.0 / 3}
+    both = merge(fast, slow)
+    assert both["tokens_per_second"] == 500.0 and both["step_seconds"] == 2.0
+    rest = {"step": 4, "steps": 2, "step_seconds": 1.0, "tokens_per_second": 1000.0}
+    assert merge(both, rest)["tokens_per_second"] == 4000.0 / 6  # 4,000 tokens in 6 s
+    unknown = merge(fast, {**slow, "step_seconds": None})
+    assert unknown["tokens_per_second"] == (1000.0 + 1000.0 / 3) / 2  # no times: the mean
+
+
 def test_the_migration_turns_stored_chunks_into_points(database_url):
     import sqlalchemy as sa
 

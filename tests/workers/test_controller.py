@@ -838,3 +838,16 @@ def test_a_re_forming_below_min_dp_says_why_it_restarts():
     assert "1 replica(s) left, fewer than min_dp 2" in below["message"]
     ctl.run()
     assert ctl.record.status == JobState.SUCCEEDED
+
+
+def test_a_shrink_drops_the_stats_of_ranks_no_longer_in_the_group():
+    script = Script(kill={(1, 2, 6)}, redundancy=1)
+    pool = scripted_pool(script, capacity=3)
+    script.on_kill = lambda: setattr(pool, "capacity", 2)
+    ctl = _controller(_live_job(resources={"dp": 3, "min_dp": 1, "max_dp": 3}), pool)
+    _steps(ctl, 3)  # steps 1-4 at dp 3
+    assert sorted(ctl.record.metrics()) == ["0", "1", "2"]
+    assert _steps(ctl, 2) == [(Running, Regrouping), (Regrouping, Running)]
+    kept = ctl.record.metrics()
+    assert sorted(kept) == ["0", "1"]  # rank 2 is gone with its node
+    assert kept["0"]["tokens_per_second"] == 1.0  # the steps handed back kept rank 0's stats
