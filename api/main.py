@@ -51,12 +51,16 @@ async def _measure(request: Request, call_next):
     """Requests, latency and errors by route, for the control plane's metrics."""
     metrics = request.app.state.service.metrics
     t0 = time.perf_counter()
-    response = await call_next(request)
-    path = getattr(request.scope.get("route"), "path", "unmatched")
-    # A made-up method would be a new series per request, for anyone without a token.
-    method = request.method if request.method in HTTP_METHODS else "other"
-    metrics.requests.labels(method, path, str(response.status_code)).inc()
-    metrics.latency.labels(method, path).observe(time.perf_counter() - t0)
-    if response.status_code >= 400:
-        metrics.errors.labels(path, str(response.status_code)).inc()
-    return response
+    status = 500  # a route that raises is answered 500 by the server: counted as such
+    try:
+        response = await call_next(request)
+        status = response.status_code
+        return response
+    finally:
+        path = getattr(request.scope.get("route"), "path", "unmatched")
+        # A made-up method would be a new series per request, for anyone without a token.
+        method = request.method if request.method in HTTP_METHODS else "other"
+        metrics.requests.labels(method, path, str(status)).inc()
+        metrics.latency.labels(method, path).observe(time.perf_counter() - t0)
+        if status >= 400:
+            metrics.errors.labels(path, str(status)).inc()
