@@ -33,7 +33,10 @@ def _panel(
     stack: bool = False,
     kind: str = "timeseries",
     description: str = "",
+    unstacked: str = "",
 ) -> dict:
+    """``unstacked``: a regular expression of the series drawn as lines over a stacked
+    panel's stack (a formula, a limit), not stacked onto it."""
     refs = "ABCDEFGH"
     panel = {
         "id": pid,
@@ -48,7 +51,14 @@ def _panel(
                 "unit": unit,
                 "custom": {"stacking": {"mode": "normal" if stack else "none", "group": "A"}},
             },
-            "overrides": [],
+            "overrides": [
+                {
+                    "matcher": {"id": "byRegexp", "options": unstacked},
+                    "properties": [{"id": "custom.stacking", "value": {"mode": "none"}}],
+                }
+            ]
+            if unstacked
+            else [],
         },
         "options": {"legend": {"displayMode": "table", "placement": "right"}},
     }
@@ -92,10 +102,10 @@ def training_job() -> dict:
     panels = [
         _panel(
             1,
-            "Memory by kind (engine ledger), stacked per rank, and the formula",
+            "Memory by kind (engine ledger) over the ranks shown, and the formula",
             [
-                (memory, "rank {{rank}} {{kind}}"),
-                (f"zeroservice_memory_expected_bytes{{{RANKS}}}", "rank {{rank}} formula"),
+                (f"sum by (kind) ({memory})", "{{kind}}"),
+                (f"sum(zeroservice_memory_expected_bytes{{{RANKS}}})", "formula (model states)"),
             ],
             "bytes",
             0,
@@ -103,9 +113,11 @@ def training_job() -> dict:
             w=24,
             h=10,
             stack=True,
+            unstacked="^formula",
             description="params, grads, master, optimizer states, checkpointed activations, "
-            "communication buffers, gathered parameters; the line is the paper's model-state "
-            "formula for the rank",
+            "communication buffers, gathered parameters, stacked and summed over the ranks "
+            "shown; the line (not stacked) is the paper's model-state formula summed over "
+            "the same ranks: the params, grads, master and optimizer layers reach it",
         ),
         _panel(
             2,
@@ -218,7 +230,7 @@ def training_job() -> dict:
         ),
         _panel(
             13,
-            "Time in collectives per op (seconds per second)",
+            "Time in collectives per op (share of wall time, summed over the ranks shown)",
             [
                 (
                     "sum by (op, group) "
@@ -226,7 +238,7 @@ def training_job() -> dict:
                     "{{group}} {{op}}",
                 )
             ],
-            "s",
+            "percentunit",
             0,
             50,
             w=24,
@@ -339,12 +351,19 @@ def control_plane() -> dict:
         ),
         _panel(
             7,
-            "Cluster capacity",
-            [("zeroservice_cluster_resources", "{{resource}} {{state}}")],
+            "Cluster CPUs and GPUs",
+            [('zeroservice_cluster_resources{resource=~"CPU|GPU"}', "{{resource}} {{state}}")],
             "none",
             0,
             24,
-            w=24,
+        ),
+        _panel(
+            8,
+            "Cluster memory",
+            [('zeroservice_cluster_resources{resource="memory"}', "{{resource}} {{state}}")],
+            "bytes",
+            12,
+            24,
         ),
     ]
     return _dashboard("zeroservice-control-plane", "zeroservice: control plane", panels, [], [])
