@@ -379,11 +379,25 @@ class RayWorkerGroup:
         return setups
 
 
+RESERVE_RETRY_S = 30.0
+"""How long a reservation that found no room waits before it is tried again on free
+resources that did not change (see [Note: a reservation that found no room])."""
+
+
+def _free_now() -> dict[str, float]:
+    """The cluster's free CPUs and GPUs, rounded (memory moves at every allocation)."""
+    free = ray.available_resources()
+    return {k: round(float(free.get(k, 0.0)), 4) for k in ("CPU", "GPU")}
+
+
 class RayWorkerPool:
     """Places and starts a job's groups on the Ray cluster this process is in."""
 
     def __init__(self, job_id: str, spec: JobSpec, spec_json: str, root: str):
         self.job_id, self.spec, self.spec_json, self.root = job_id, spec, spec_json, root
+        self._unplaced: tuple[dict[str, float], float] | None = None
+        """The free resources when a reservation last found no room, and when to try
+        again anyway (see ``reserve``)."""
 
     def available(self) -> int:
         return replicas_available(self.spec.resources)
@@ -497,10 +511,22 @@ class RayWorkerPool:
         )
 
     def reserve(self, group: RayWorkerGroup, count: int) -> None:
+        """[Note: a reservation that found no room]
+        The free resources can add up to a replica without any node holding one (half
+        a CPU free on each of two nodes, for a bundle of one). Trying to place it then
+        waits out the placement's probe at every step of a group below max_dp (2-7 s a
+        step). So after a reservation that found no room, the next one waits until the
+        cluster's free resources change (a node joined, a job ended) or
+        ``RESERVE_RETRY_S`` has passed."""
         mp = self.spec.resources.mp
         short = count - len(group.vacant) // mp
         if short <= 0 or self.available() < 1:
             return
+        free = _free_now()
+        if self._unplaced is not None:
+            was, retry_at = self._unplaced
+            if free == was and time.monotonic() < retry_at:
+                return
         extra = place(
             self.job_id,
             self.spec.resources,
@@ -510,9 +536,12 @@ class RayWorkerPool:
             settle_s=0.0,
             name=grow_placement_name(self.job_id, uuid.uuid4().hex[:8]),
         )
-        if extra is not None:
-            group.placements.append(extra)
-            group.vacant += [Seat(extra, b) for b in range(extra.dp) for _ in range(mp)]
+        if extra is None:
+            self._unplaced = (free, time.monotonic() + RESERVE_RETRY_S)
+            return
+        self._unplaced = None
+        group.placements.append(extra)
+        group.vacant += [Seat(extra, b) for b in range(extra.dp) for _ in range(mp)]
 
     def extend(self, group: RayWorkerGroup, count: int, wait_s: float) -> int:
         """Newcomers for a live grow: on the group's usable vacancies first, then on a
