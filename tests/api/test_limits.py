@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.api.test_routes import TINY, _jobs_stored
+from tests.workers.jobs import TINY_GPT2
 
 
 def _raw(spec_json: str) -> bytes:
@@ -225,15 +226,6 @@ def test_json_past_the_parsers_limits_is_refused_as_bad_input(harness, body, det
     assert _jobs_stored(harness) == 0
 
 
-_BUILT_MODEL = {
-    "kind": "transformers",
-    "architecture": "GPT2LMHeadModel",
-    "vocab_size": 64,
-    "seq_len": 8,
-    "config": {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 64, "n_positions": 8},
-}
-
-
 @pytest.mark.parametrize(
     "resources,route,status",
     [
@@ -251,7 +243,7 @@ def test_a_job_that_could_not_be_queued_builds_no_model(harness, resources, rout
     admin = harness.headers(harness.admin)
     limits = {"max_queued_jobs": 0, "max_ranks": 2}
     assert harness.client.put("/v1/tenants/alice/limits", json=limits, headers=admin).is_success
-    spec = {**TINY, "model": _BUILT_MODEL, "resources": {**TINY["resources"], **resources}}
+    spec = {**TINY, "model": TINY_GPT2, "resources": {**TINY["resources"], **resources}}
     r = harness.client.post(route, json={"spec": spec}, headers=alice)
     assert r.status_code == status, r.text
     assert harness.backend.counted == []
@@ -272,7 +264,7 @@ def test_a_tenants_model_builds_in_flight_are_bounded(harness):
     harness.backend.count_parameters = slow
     alice = harness.headers(harness.tenant_token("alice"))
     bob = harness.headers(harness.tenant_token("bob"))
-    body = {"spec": {**TINY, "model": _BUILT_MODEL}}
+    body = {"spec": {**TINY, "model": TINY_GPT2}}
     with ThreadPoolExecutor(3) as pool:
         waiting = [pool.submit(harness.client.post, "/v1/plan", json=body, headers=alice)]
         waiting.append(pool.submit(harness.client.post, "/v1/plan", json=body, headers=alice))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.workers.jobs import TINY_MIXTRAL
 from workers import flops
 from workers.build import _transformers_model
 from workers.spec import JobSpec
@@ -23,31 +24,14 @@ def test_a_gpt_counts_the_matmuls_not_the_lookups(tied):
 
 
 def test_a_mixture_of_experts_counts_the_experts_a_token_runs_through():
-    config = {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 16,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-    }
-    model_spec = {
-        "kind": "transformers",
-        "architecture": "MixtralForCausalLM",
-        "vocab_size": 256,
-        "seq_len": 16,
-        "config": config,
-    }
-    spec = JobSpec.model_validate({"name": "moe", "model": model_spec, "micro_batch": 2})
+    spec = JobSpec.model_validate({"name": "moe", "model": TINY_MIXTRAL, "micro_batch": 2})
     model = _transformers_model(spec.model)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    layers, d, f, experts, k, s, v = 2, 64, 128, 8, 2, 16, 256
-    idle = layers * (experts - k) * 3 * d * f  # each expert: w1, w2, w3 without bias
-    lookup = v * d  # the input embedding (Mixtral's head is its own)
-    expected = 6 * (psi - idle - lookup) + 12 * layers * d * s
+    c = TINY_MIXTRAL["config"]
+    layers, d, f = c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]
+    idle = layers * (c["num_local_experts"] - c["num_experts_per_tok"]) * 3 * d * f  # w1-w3
+    lookup = c["vocab_size"] * d  # the input embedding (Mixtral's head is its own)
+    expected = 6 * (psi - idle - lookup) + 12 * layers * d * TINY_MIXTRAL["seq_len"]
     assert flops.flops_per_token(spec, model, psi) == expected
 
 
