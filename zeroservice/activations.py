@@ -28,6 +28,8 @@ counted in ``overflows``; the arena grows to fit at the next step.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import warnings
 import weakref
 from collections import OrderedDict
@@ -426,23 +428,28 @@ class ActivationCheckpointer:
             self._calls[id(p)] = self._calls.get(id(p), 0) + 1
         x, rest = args[0], args[1:]
         for value in (*rest, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
+            if any(t.requires_grad for t in flatten_tensors(value)[0]):
                 raise ValueError(
                     f"activation checkpointing: {name} receives a second tensor that needs a "
-                    "gradient; only the first positional argument is checkpointed"
+                    "gradient (as an argument, or inside one); only the first positional "
+                    "argument is checkpointed"
                 )
         check_replayable(name, rest, kwargs, self._inner[id(module)])
+        built: list[Callable[[list[torch.Tensor]], Any]] = []
 
-        def run(inp: torch.Tensor):
-            return original(inp, *rest, **kwargs)
+        def run(inp: torch.Tensor):  # see [Note: a block's output, flattened]
+            tensors, rebuild = flatten_tensors(original(inp, *rest, **kwargs))
+            built.append(rebuild)
+            return tuple(tensors)
 
         def rerun(inp: torch.Tensor):
             with _engine_hooks_only(module):  # see [Note: a recomputed block's own hooks]
-                return module(inp, *rest, **kwargs)
+                return tuple(flatten_tensors(module(inp, *rest, **kwargs))[0])
 
         # The anchor needs a gradient, so the block's output does even when its input
         # does not: backward always reaches the recomputation (and the parameters).
-        return _Checkpoint.apply(self, name, module, run, rerun, x, self._anchor)
+        out = _Checkpoint.apply(self, name, module, run, rerun, x, self._anchor)
+        return built[0](list(out) if isinstance(out, tuple) else [out])
 
     def take_expected_fires(self) -> dict[int, int]:
         """Per parameter id used by a checkpointed call since the last backward, how many
@@ -460,6 +467,49 @@ class ActivationCheckpointer:
     def remove(self) -> None:
         for _, module in self.modules:
             module.__dict__.pop("forward", None)
+
+
+def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], Callable[[list[Any]], Any]]:
+    """The tensors in ``value`` (tuples, lists, named tuples, dicts, dataclasses such as
+    transformers' ``ModelOutput``, nested) and a function that builds ``value`` again
+    with other tensors in their places; anything else is kept as it is.
+
+    [Note: a block's output, flattened]
+    A checkpointed block runs inside an autograd Function, and autograd connects only
+    the tensors a Function returns directly. A block that returned ``(h, {"aux":
+    aux})``, a list or a dataclass handed back its inner tensors as constants: the
+    auxiliary loss trained nothing and, for a list, nothing before the last block
+    trained (the losses drifted from DDP's by the second step). So the Function returns
+    the block's output flattened, and the caller gets its structure back."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(v: Any) -> Callable[[list[Any]], Any]:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            i = len(tensors) - 1
+            return lambda new: new[i]
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            fields = {f.name: walk(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+            return lambda new: dataclasses.replace(v, **{k: f(new) for k, f in fields.items()})
+        if isinstance(v, tuple) and hasattr(v, "_fields"):  # a named tuple
+            parts = [walk(x) for x in v]
+            return lambda new: type(v)(*(p(new) for p in parts))
+        if isinstance(v, tuple | list):
+            parts = [walk(x) for x in v]
+            return lambda new: type(v)(p(new) for p in parts)
+        if isinstance(v, dict):
+            items = {k: walk(x) for k, x in v.items()}
+
+            def rebuilt(new: list[Any]) -> Any:
+                out = copy.copy(v)  # keeps the mapping's type (and a default_factory)
+                for k, f in items.items():
+                    out[k] = f(new)
+                return out
+
+            return rebuilt
+        return lambda new: v
+
+    return tensors, walk(value)
 
 
 def check_replayable(

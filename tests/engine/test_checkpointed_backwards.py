@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -332,3 +333,93 @@ def test_a_hook_on_a_checkpointed_block_runs_once_per_call(stage, hook):
         torch.tensor(r["engine"]), torch.tensor(r["reference"]), rtol=1e-5, atol=0
     )
     assert r["calls"]["engine"] == r["calls"]["reference"] == STEPS
+
+
+@dataclass
+class _BlockOut:
+    h: torch.Tensor
+    aux: torch.Tensor
+
+
+class _AuxBlock(nn.Module):
+    """A residual block that also returns an auxiliary loss, in one of several shapes."""
+
+    def __init__(self, shape: str):
+        super().__init__()
+        self.shape, self.linear = shape, nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor):
+        out = torch.tanh(self.linear(h))
+        aux = out.pow(2).mean()
+        if self.shape == "dict":
+            return h + out, {"aux": aux}
+        if self.shape == "list":
+            return [h + out, aux]
+        return _BlockOut(h + out, aux)
+
+
+class _AuxNet(nn.Module):
+    def __init__(self, shape: str):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_AuxBlock(shape) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor):
+        h, total = self.embed(x), 0.0
+        for block in self.blocks:
+            out = block(h)
+            if isinstance(out, _BlockOut):
+                h, aux = out.h, out.aux
+            elif isinstance(out, tuple):
+                h, aux = out[0], out[1]["aux"]
+            else:
+                h, aux = out
+            total = total + aux
+        return self.head(h), total
+
+
+def _aux_outputs(stage: int, shape: str) -> dict:
+    """Every tensor a checkpointed block returns carries its gradient, wherever it sits
+    in the output (see [Note: a block's output, flattened] in activations.py)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def loss(model, step):
+        x, y = _batch(step)
+        logits, aux = model(x)
+        return F.cross_entropy(logits, y) + 0.5 * aux
+
+    torch.manual_seed(0)
+    reference = _AuxNet(shape)
+    model = _AuxNet(shape)
+    model.load_state_dict(reference.state_dict())
+    ddp, opt = DDP(reference), torch.optim.SGD(reference.parameters(), lr=0.1)
+    engine = zeroservice.initialize(
+        model, {"stage": stage, **CHECKPOINTED}, lambda ps: torch.optim.SGD(ps, lr=0.1)
+    )
+    out: dict = {"reference": [], "engine": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        value = loss(ddp, step)
+        value.backward()
+        opt.step()
+        out["reference"].append(mean_over_ranks(value.item()))
+        value = loss(engine, step)
+        engine.backward(value)
+        engine.step()
+        out["engine"].append(mean_over_ranks(value.item()))
+    out["weights"] = (reference.state_dict(), engine.state_dict())
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("shape", ["dict", "list", "dataclass"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tensors_inside_a_checkpointed_blocks_output_carry_their_gradients(stage, shape):
+    r = run_local(_aux_outputs, 2, stage, shape, timeout_s=120)[0]
+    torch.testing.assert_close(
+        torch.tensor(r["engine"]), torch.tensor(r["reference"]), rtol=1e-5, atol=0
+    )
+    reference, trained = r["weights"]
+    for name, value in reference.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-7)
