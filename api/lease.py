@@ -95,6 +95,21 @@ def acquire(session: Session, name: str, holder: str, ttl_s: float) -> bool:
     return True
 
 
+def hold(session: Session, name: str, holder: str, ttl_s: float) -> bool:
+    """Renew the lease ``holder`` still holds, in the session's transaction (no commit);
+    False when it lapsed or another holds it. A write committed with it is fenced: on
+    PostgreSQL the renewal locks the lease's row until the commit, and SQLite's write
+    lock does the same, so no other replica takes the lease in between. See [Note: a
+    round fenced by its lease] in scheduler.py."""
+    now = utcnow()
+    held = session.execute(
+        update(Lease)
+        .where(Lease.name == name, Lease.holder == holder, Lease.expires_at >= now)
+        .values(expires_at=now + timedelta(seconds=ttl_s))
+    )
+    return held.rowcount == 1  # type: ignore[attr-defined]
+
+
 def release(session: Session, name: str, holder: str) -> None:
     session.execute(delete(Lease).where(Lease.name == name, Lease.holder == holder))
     session.commit()

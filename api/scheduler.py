@@ -27,6 +27,18 @@ Each tick, in one session:
    autoscaler (``request_resources``), bounded by the configured cluster maximum; an
    empty queue withdraws the request, so idle nodes can be released.
 
+[Note: a round fenced by its lease]
+One replica at a time schedules: the holder of the ``scheduler`` lease (lease.py). A
+round can outlive the lease it took (the replica paused, a silent supervisor's poll,
+a slow store), and another replica takes the lapsed lease meanwhile; a round that
+went on would admit against quota usage it read before, launch beside the other's
+launches and reap the ranks of the supervisor the other just started. So every
+write of a round is committed together with the lease's renewal (``_commit``:
+``lease.hold`` in the same transaction, which on PostgreSQL locks the lease's row
+until the commit), and the round acts on the cluster (launch, reap, cancel, the
+autoscaler's request) only right after such a commit (``_fence``); where the lease
+lapsed, the write is rolled back and the round ends (``LeaseLost``).
+
 [Note: supervised supervisor]
 A job's supervisor can die (its process killed, the head restarted). The control
 plane notices at its next sync (the poll finds no supervisor) and, as a restart of
@@ -91,6 +103,10 @@ def _history_seen(job: Job) -> int:
     return int((job.metrics or {}).get("history_seen", 0))
 
 
+class LeaseLost(Exception):
+    """The scheduler's lease lapsed during a round: another replica may hold it now."""
+
+
 class Scheduler:
     """See [Note: scheduling]."""
 
@@ -111,8 +127,8 @@ class Scheduler:
         self.holder, self._holder_file = lease.claim_holder(settings.data_dir)
         """The name this replica holds the lease under, and the file whose lock keeps
         it ours (see [Note: a replica restarted after a crash] in lease.py)."""
-        self.leader = False
-        """Whether this replica held the scheduler's lease at its last tick."""
+        self._held_until = 0.0
+        """Until when (monotonic) this replica holds the lease it last took or renewed."""
         self.clock = time.monotonic
         """Seconds for ``supervisor_silent_s`` (tests step it by hand)."""
         self._silent_since: dict[str, float] = {}
@@ -129,13 +145,15 @@ class Scheduler:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=30)
+            if thread.is_alive():
+                return  # a round still runs: it keeps the lease until it ends or lapses
         if self.leader:
             with self.sessions() as session:
                 lease.release(session, LEASE, self.holder)
-            self.leader = False
+            self._held_until = 0.0
 
     @property
     def alive(self) -> bool:
@@ -152,17 +170,47 @@ class Scheduler:
             self._stop.wait(self.settings.scheduler_interval_s)
 
     def tick(self) -> bool:
-        """One round; False, doing nothing, while another replica holds the lease."""
+        """One round; False, doing nothing (more), while another replica holds the
+        lease. See [Note: a round fenced by its lease]."""
         with self._lock, self.sessions() as session:
             ttl = self.settings.scheduler_lease_s
-            self.leader = lease.acquire(session, LEASE, self.holder, ttl)
-            if not self.leader:
+            self._held_until = 0.0
+            if not lease.acquire(session, LEASE, self.holder, ttl):
                 return False
-            self.sync(session)
-            waiting = self.admit(session)
-            self.autoscale(waiting)
+            self._held_until = time.monotonic() + ttl
+            try:
+                self.sync(session)
+                waiting = self.admit(session)
+                self._fence(session)
+                self.autoscale(waiting)
+            except LeaseLost:
+                session.rollback()
+                self._held_until = 0.0
+                log.warning("scheduler: the lease lapsed during a round; another replica has it")
+                return False
             self.ticks += 1
             return True
+
+    @property
+    def leader(self) -> bool:
+        """Whether this replica holds the scheduler's lease now, as far as it knows: it
+        took or renewed it less than the lease's time ago."""
+        return time.monotonic() < self._held_until
+
+    def _commit(self, session: Session) -> None:
+        """Commit a round's write together with the lease's renewal; LeaseLost (the
+        write rolled back) when the lease lapsed. See [Note: a round fenced by its
+        lease]."""
+        if not lease.hold(session, LEASE, self.holder, self.settings.scheduler_lease_s):
+            session.rollback()
+            raise LeaseLost()
+        session.commit()
+        self._held_until = time.monotonic() + self.settings.scheduler_lease_s
+
+    def _fence(self, session: Session) -> None:
+        """Before acting on the cluster (launch, reap, cancel, autoscale): the lease is
+        still this replica's, renewed (with whatever the session holds)."""
+        self._commit(session)
 
     # -- 1. sync ----------------------------------------------------------------------
     def sync(self, session: Session, only: str | None = None) -> None:
@@ -199,9 +247,11 @@ class Scheduler:
             for job in jobs:
                 try:
                     self._sync_job(session, job, asked[job.id])
-                    session.commit()
+                    self._commit(session)
                 except StaleDataError:  # changed meanwhile (a cancel): read again next tick
                     session.rollback()
+                except LeaseLost:
+                    raise
                 except Exception as exc:  # the supervisor did not answer: untouched
                     session.rollback()
                     log.warning("job %s: poll failed: %s", job.id, type(exc).__name__)
@@ -226,6 +276,7 @@ class Scheduler:
             # until the job ends: an acknowledged cancel is never lost.
             reap = getattr(self.backend, "reap", None)
             if reap is not None:
+                self._fence(session)
                 reap(job.id)  # the ranks a lost supervisor left running
             store.set_status(session, job, JobState.CANCELLED, "cancelled", cancelled)
             return
@@ -238,6 +289,7 @@ class Scheduler:
             # needs. It is removed before the job is launched again.
             reap = getattr(self.backend, "reap", None)
             if reap is not None:
+                self._fence(session)
                 reap(job.id)
             spec = self._stored_spec(session, job)
             if spec is not None:
@@ -260,6 +312,7 @@ class Scheduler:
         )
         st = snap["status"]
         if cancelled is not None and not JobState(st["status"]).is_terminal:
+            self._fence(session)
             self.backend.cancel(job.id, cancelled, self.settings.supervisor_poll_timeout_s)
         job.attempts, job.current_dp, job.step = st["restarts"], st["dp"], st["step"]
         job.checkpoint_path = st.get("checkpoint_root", job.checkpoint_path)
@@ -296,6 +349,7 @@ class Scheduler:
         if restarts > spec.max_restarts:
             reap = getattr(self.backend, "reap", None)
             if reap is not None:
+                self._fence(session)
                 reap(job.id)  # the ranks it left running
             budget = f"restart budget of {spec.max_restarts} spent"
             store.set_status(session, job, JobState.FAILED, "supervisor_lost", f"{gone} ({budget})")
@@ -312,7 +366,7 @@ class Scheduler:
         job.metrics = {**(job.metrics or {}), "history_seen": 0}
         message = "a new supervisor goes on from the newest checkpoint"
         store.set_status(session, job, JobState.RESIZING, "supervisor_lost", message, record=False)
-        session.commit()  # version-checked: a concurrent cancel wins
+        self._commit(session)  # version-checked: a concurrent cancel wins
         succession = Succession(restarts, store.newest_save(session, job))
         self._relaunch(session, job, spec, succession)
 
@@ -364,7 +418,7 @@ class Scheduler:
             store.set_status(
                 session, job, JobState.FAILED, "invalid_spec", f"{where}: {first['msg']}"
             )
-            session.commit()
+            self._commit(session)
             return None
 
     def _overdue(self, job: Job) -> bool:
@@ -380,7 +434,7 @@ class Scheduler:
             job.checkpoint_path = checkpoint_path(base, job.id, spec.checkpoint.dir)
         store.set_status(session, job, JobState.STARTING, "admitted", "placing ranks on Ray")
         try:
-            session.commit()
+            self._commit(session)  # fenced: the launch below follows a write of the lease's
         except StaleDataError:
             session.rollback()
             return False
@@ -399,7 +453,7 @@ class Scheduler:
             store.set_status(
                 session, job, JobState.FAILED, "launch_failed", f"{type(exc).__name__}: {text}"
             )
-            session.commit()
+            self._commit(session)
             return False
         return True
 
