@@ -211,6 +211,14 @@ def make_engine(url: str) -> Engine:
         connect_args={
             "connect_timeout": CONNECT_TIMEOUT_S,
             "options": f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000}",
+            # The server's statement timeout never fires for a query it never received:
+            # an open connection whose peer stopped answering (a partition, a frozen
+            # host) is given up by the client after about the same time.
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+            "tcp_user_timeout": STATEMENT_TIMEOUT_S * 1000,
         },
     )
 

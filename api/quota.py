@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
@@ -54,8 +55,24 @@ def active_usage(session: Session) -> dict[int, Usage]:
     for tenant_id, spec in session.execute(
         select(Job.tenant_id, Job.spec).where(Job.status.in_(ACTIVE))
     ).tuples():
-        count_usage(usage, tenant_id, ResourcesSpec.model_validate(spec.get("resources", {})))
+        count_usage(usage, tenant_id, _held_resources(spec.get("resources", {})))
     return usage
+
+
+def _held_resources(resources: dict) -> ResourcesSpec:
+    """An active job's resources as stored. One stored by an older version may no longer
+    validate (a bound tightened since); it still holds its ranks, and counting it must
+    not stop admission for every tenant: its numbers are taken as they are."""
+    try:
+        return ResourcesSpec.model_validate(resources)
+    except ValidationError:
+        fields = ResourcesSpec.model_fields
+        numbers = {k: v for k, v in resources.items() if k in fields and _number(v)}
+        return ResourcesSpec.model_construct(**numbers)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
 
 
 def within_quota(session: Session, tenant_id: int, spec: JobSpec, usage: dict) -> bool:

@@ -441,8 +441,9 @@ def add_events(session: Session, job: Job, events: list[dict], keep: int) -> Non
         data = {k: v for k, v in event.items() if k not in ("kind", "reason", "message")}
         add_event(session, job, event["kind"], event["reason"], event["message"], data)
     job.events_seen += len(events)
-    if events:
-        _prune(session, JobEvent, job, keep)
+    if events:  # a cancel request stays: it is honoured until the job ends (a cancel is kept)
+        cancel = (JobEvent.kind == "request") & (JobEvent.reason == "cancel")
+        _prune(session, JobEvent, job, keep, spare=cancel)
 
 
 def newest_save(session: Session, job: Job) -> int:
@@ -585,13 +586,15 @@ def history(session: Session, job: Job, after: int, limit: int) -> tuple[list[Jo
     return rows[:limit], _count_steps(session, job), len(rows) > limit
 
 
-def _prune(session: Session, table, job: Job, keep: int) -> None:
-    """Delete the job's rows of ``table`` older than its newest ``keep``."""
+def _prune(session: Session, table, job: Job, keep: int, spare=None) -> None:
+    """Delete the job's rows of ``table`` older than its newest ``keep`` (``spare``: a
+    condition on rows never deleted)."""
     session.flush()
     newest = select(table.id).where(table.job_id == job.id).order_by(table.id.desc())
     cutoff = session.execute(newest.offset(keep).limit(1)).scalar_one_or_none()
     if cutoff is not None:
-        session.execute(delete(table).where(table.job_id == job.id, table.id <= cutoff))
+        old = delete(table).where(table.job_id == job.id, table.id <= cutoff)
+        session.execute(old if spare is None else old.where(~spare))
 
 
 def jobs_in(session: Session, statuses: tuple[str, ...]) -> list[Job]:

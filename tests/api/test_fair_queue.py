@@ -222,3 +222,25 @@ def test_a_start_launched_again_with_a_spec_that_no_longer_validates_fails_its_j
     assert got["status"] == "failed" and got["reason"] == "invalid_spec", got
     assert got["message"].startswith("timeouts.bootstrap_s:")
     assert _status(harness, fine, h)["status"] == "starting"
+
+
+def test_an_active_jobs_resources_that_no_longer_validate_still_count_and_stop_nothing(
+    harness,
+):
+    """A running job stored by an older version with resources today's spec refuses
+    (a cpus_per_rank above today's bound) is counted with its numbers as stored; the
+    other tenants' jobs are admitted (it raised out of every admission before)."""
+    h = harness.headers(harness.tenant_token("alice"))
+    bob = harness.headers(harness.tenant_token("bob"))
+    old = _submit(harness, h)
+    harness.tick()
+    harness.backend.move(old, "running", "training", step=1)
+    harness.tick()
+    with harness.service.sessions() as s:
+        job = s.get(Job, old)
+        job.spec = {**job.spec, "resources": {**job.spec["resources"], "cpus_per_rank": 300}}
+        s.commit()
+    later = _submit(harness, bob)
+    harness.tick()
+    assert _status(harness, later, bob)["status"] == "starting"
+    assert harness.service.scheduler.last_error is None

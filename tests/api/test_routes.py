@@ -849,3 +849,29 @@ def test_made_up_methods_share_one_metrics_series(harness):
     text_ = harness.client.get("/metrics").text
     assert 'method="other"' in text_
     assert 'method="ZZ' not in text_
+
+
+def test_a_cancel_request_outlives_the_events_pruned_after_it(database_url, tmp_path):
+    """Events are kept up to a bound, the oldest deleted first; the cancel request is
+    not among them: a supervisor's many events after a missed cancel would otherwise
+    take it with them, and a supervisor gone then would be replaced, not cancelled."""
+    harness = Harness(database_url, tmp_path / "data", max_events_per_job=5)
+    try:
+        c, fake = harness.client, harness.backend
+        job, h = _running(harness)
+        fake.missed.add(job["id"])
+        assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=h).status_code == 200
+        with fake.lock:
+            fake.jobs[job["id"]]["events"] += [
+                {"kind": "checkpoint", "reason": "saved", "message": f"step {s}", "step": s}
+                for s in range(8)
+            ]
+        fake.missed.add(job["id"])  # the resend misses too
+        harness.tick()  # the events stored, the oldest pruned
+        fake.jobs.pop(job["id"])  # then its supervisor is gone
+        harness.tick()
+        got = c.get(f"/v1/jobs/{job['id']}", headers=h).json()
+        assert got["status"] == "cancelled" and fake.replaced == [], got
+    finally:
+        harness.client.close()
+        harness.service.engine.dispose()
