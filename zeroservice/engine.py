@@ -14,8 +14,11 @@ from __future__ import annotations
 import fnmatch
 import os
 import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,7 @@ from .memory import (
 )
 from .naming import some_names
 from .optim import OptimizerFactory, ShardedOptimizer, StepResult, group_of_params
+from .optimizer_template import RetiredTemplate
 from .placeholder_state import (
     PlaceholderWrites,
     check_not_released,
@@ -121,6 +125,7 @@ class Engine:
         construct.check_unwrapped(module)
         check_not_released(module)
         construct.check_materialised(module)
+        construct.check_no_buffer_views(module)
         if self.policy.partitions_params:
             construct.check_no_gradient_hooks(module)
         check_param_dtypes(module, config.precision)
@@ -331,6 +336,11 @@ class Engine:
             offload=config.offload_optimizer,
             template=template,
         )
+        self._template = RetiredTemplate(template)
+        """The factory's optimizer: its step refused, its rates watched (see [Note: the
+        factory's optimizer after initialize] in optimizer_template.py)."""
+        for owner in (module, template):
+            owner.zero_grad = partial(_zero_grad, weakref.ref(self), owner.zero_grad)  # type: ignore[method-assign]
         reason = watch_reason(
             config.stage, self.policy.shard_world, config.precision, config.offload_optimizer
         )
@@ -508,6 +518,18 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self._require_open("backward")
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            hint = (
+                " (at stage 3 a parameter read outside the model's forward, such as a "
+                "temperature used in the loss, is an empty placeholder: read it inside "
+                "the forward)"
+                if self.gatherer is not None and loss.numel() == 0
+                else ""
+            )
+            raise RuntimeError(
+                f"backward: the loss has {loss.numel()} elements; it must be one number "
+                f"(reduce it with .mean() or .sum()){hint}"
+            )
         if self.micro_steps >= self.config.gradient_accumulation_steps:
             raise RuntimeError(
                 f"backward: {self.micro_steps} micro-batches already accumulated "
@@ -563,6 +585,7 @@ class Engine:
         self._check_gather_digest()
         scale = self.loss_scale
         # Before the move: a rate refused here leaves the step to be taken again.
+        self._template.check()
         self.optimizer.set_lr_factor(factor)
         self.state.move(TrainingState.STEPPING)
         result: StepResult = self.optimizer.step(
@@ -999,6 +1022,9 @@ class Engine:
         if not self._interrupt.fired:
             self.wait_for_save()
         self.closed = True
+        self._template.release()
+        for owner in (self.module, self._template.template):
+            owner.__dict__.pop("zero_grad", None)
         self.reducer.remove_hooks()
         for handle in self._forward_stops:
             handle.remove()
@@ -1022,6 +1048,27 @@ class Engine:
         pending = [self.comm.broadcast(u.flat, "init") for u in self.units] if params else []
         pending += [self.comm.broadcast(b, "init") for b in self.module.buffers()]
         comm.wait_all(pending)
+
+
+def _zero_grad(engine_ref: weakref.ref, original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The model's and the factory optimizer's ``zero_grad`` while an engine holds them.
+
+    [Note: zero_grad inside a step]
+    Under DDP, ``zero_grad()`` between a backward and the optimizer's step drops the
+    gradients, and the step then changes nothing. The engine reduces a step's
+    gradients from its own buffers and shards, which ``zero_grad`` does not reach: the
+    step was taken whole (and with accumulation, the micro-batches before the call
+    stayed in). So a ``zero_grad`` while the engine holds a step's gradients is refused
+    by name; elsewhere (before a forward) it does what it always did."""
+    engine = engine_ref()
+    if engine is not None and engine.state.value is TrainingState.ACCUMULATED:
+        raise RuntimeError(
+            "zero_grad: called between engine.backward and engine.step, where it would "
+            "drop the step's gradients under DDP; the engine reduces them from its own "
+            "buffers, which zero_grad does not reach. Call zero_grad before the forward, "
+            "or not at all: each engine step starts from zero"
+        )
+    return original(*args, **kwargs)
 
 
 def _replicated_ranges(unit: FlatUnit, sharded: set[str]) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ agree too.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import torch
@@ -150,3 +151,71 @@ def _same(a: Any, b: Any) -> bool:
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+class RetiredTemplate:
+    """The factory's optimizer once the engine has rebuilt it over its shards.
+
+    [Note: the factory's optimizer after initialize]
+    A loop moved over from DDP keeps the optimizer it built: ``opt = AdamW(...)``,
+    ``initialize(..., optimizer=lambda ps: opt)``, then ``StepLR(opt, ...)`` and
+    ``opt.step()`` out of habit. That object only lent its groups' hyperparameters: a
+    scheduler on it changed rates nothing trains with (the losses went on at the first
+    rate, while ``opt.param_groups`` showed the scheduled ones), and its ``step()``
+    moved the weights by a second update at stages 0-1. So its ``step()`` now raises,
+    and a hyperparameter changed on it since ``initialize`` is refused by the engine's
+    next ``step()``, naming what to use instead (``lr_schedule``)."""
+
+    def __init__(self, template: torch.optim.Optimizer):
+        self.template = template
+        self._hyper = _hyperparameters(template)
+        # A bound method, as torch's LR schedulers expect of ``step`` to wrap it.
+        template.step = types.MethodType(_retired_step, template)  # type: ignore[method-assign]
+
+    def check(self) -> None:
+        now = _hyperparameters(self.template)
+        changed = sorted(
+            {
+                f"param group {i}'s {k}"
+                for i, (was, is_) in enumerate(zip(self._hyper, now, strict=True))
+                for k in was.keys() | is_.keys()
+                if was.get(k) != is_.get(k)
+            }
+        )
+        if changed:
+            self._hyper = now  # refused once
+            raise RuntimeError(
+                f"optimizer: {', '.join(changed[:3])} changed on the optimizer given to "
+                "initialize (a torch LR scheduler on it, or a change by hand). The engine "
+                "trains a copy of it over its shards, built at initialize, so the change "
+                "would train nothing: set the schedule with lr_schedule (or a DeepSpeed "
+                "config's scheduler)"
+            )
+
+    def release(self) -> None:
+        self.template.__dict__.pop("step", None)
+
+
+def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's hyperparameters (``initial_lr``, which a scheduler adds when it is
+    made, left out: the rate it then changes is the one named)."""
+    return [
+        {k: _plain(v) for k, v in group.items() if k not in ("params", "initial_lr")}
+        for group in opt.param_groups
+    ]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _retired_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "optimizer.step(): this is the optimizer given to initialize, which the engine "
+        "rebuilt over its shards; it trains nothing. Call engine.step() (and set the "
+        "learning-rate schedule with lr_schedule)"
+    )
