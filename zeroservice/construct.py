@@ -82,6 +82,30 @@ def check_materialised(module: nn.Module) -> None:
         )
 
 
+def check_no_buffer_views(module: nn.Module) -> None:
+    """Refuse a buffer that shares a parameter's storage (``register_buffer("w_t",
+    self.weight.detach().t())``): the engine moves every parameter into its flat
+    buffers, so the buffer would keep the weights of ``initialize`` while they train
+    (DDP's followed them), silently."""
+    storages = {
+        p.untyped_storage().data_ptr(): n
+        for n, p in module.named_parameters()
+        if p.numel() and not p.is_meta
+    }
+    shared = [
+        f"{b} (a view of {storages[buf.untyped_storage().data_ptr()]})"
+        for b, buf in module.named_buffers()
+        if buf.numel() and not buf.is_meta and buf.untyped_storage().data_ptr() in storages
+    ]
+    if shared:
+        raise ConfigError(
+            f"model: buffers {some_names(shared)} share a parameter's storage; the engine "
+            "moves the parameters into its own buffers, so these would keep the weights "
+            "of initialize while the parameters train. Compute them from the parameter in "
+            "the forward instead (or register a copy, if that is what is meant)"
+        )
+
+
 def check_unwrapped(module: nn.Module) -> None:
     """Refuse a model wrapped in another data-parallel wrapper (DDP, DataParallel,
     FSDP or ``fully_shard``), itself or inside: its own hooks would reduce or shard the
