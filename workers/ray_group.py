@@ -379,6 +379,8 @@ class RayWorkerGroup:
         return setups
 
 
+_clock = time.monotonic
+"""When a reservation may be tried again (tests step it by hand)."""
 RESERVE_RETRY_S = 30.0
 """How long a reservation that found no room waits before it is tried again on free
 resources that did not change (see [Note: a reservation that found no room])."""
@@ -525,7 +527,7 @@ class RayWorkerPool:
         free = _free_now()
         if self._unplaced is not None:
             was, retry_at = self._unplaced
-            if free == was and time.monotonic() < retry_at:
+            if free == was and _clock() < retry_at:
                 return
         extra = place(
             self.job_id,
@@ -537,7 +539,7 @@ class RayWorkerPool:
             name=grow_placement_name(self.job_id, uuid.uuid4().hex[:8]),
         )
         if extra is None:
-            self._unplaced = (free, time.monotonic() + RESERVE_RETRY_S)
+            self._unplaced = (free, _clock() + RESERVE_RETRY_S)
             return
         self._unplaced = None
         group.placements.append(extra)

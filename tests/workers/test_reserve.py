@@ -16,7 +16,7 @@ def test_a_reservation_that_found_no_room_waits_for_the_free_resources_to_change
     tried, free, now = [], {"CPU": 1.0, "GPU": 0.0}, [100.0]
     monkeypatch.setattr(ray_group, "place", lambda *a, **k: tried.append(1))  # no room
     monkeypatch.setattr(ray_group, "_free_now", lambda: dict(free))
-    monkeypatch.setattr(ray_group.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(ray_group, "_clock", lambda: now[0])  # not the process's clock
     spec = tiny_job(resources={"dp": 1, "max_dp": 2, "cpus_per_rank": 1})
     pool = ray_group.RayWorkerPool("job", spec, spec.model_dump_json(), "/ckpt")
     monkeypatch.setattr(pool, "available", lambda: 1)  # by the sum: half a CPU on two nodes
