@@ -38,6 +38,7 @@ from .flat import FlatUnit, build_units, padded_size, trainable_parameters
 from .forward_writes import ForwardWrites, between_steps_reason, watch_reason
 from .gather import ParamGatherer
 from .gather_check import ForwardReads, GatherCheck, GatherDigest
+from .gathered import GatheredParameters
 from .host_memory import HostTrim
 from .interrupt import Interrupt, stop_forwards
 from .memory import (
@@ -212,6 +213,8 @@ class Engine:
         shard_rank = self.dp_rank if self.policy.shard_world > 1 else 0
         self.gatherer: ParamGatherer | None = None
         self._placeholder_writes: PlaceholderWrites | None = None
+        self._gathered: GatheredParameters | None = None
+        """The ``gathered_parameters()`` context open, if any (see gathered.py)."""
         """Stage 3: writes to the placeholders, refused (see [Note: a write to a
         placeholder] in placeholder_state.py)."""
         self._forward_reads: ForwardReads | None = None
@@ -576,6 +579,11 @@ class Engine:
     def step(self) -> StepReport:
         """Call after every backward; updates the weights after the step's last micro-batch."""
         self._require_open("step")
+        if self._gathered is not None:
+            raise RuntimeError(
+                "step: inside engine.gathered_parameters(), whose exit would write back or "
+                "drop the weights it gathered before this step; leave it first"
+            )
         if self.state.value is not TrainingState.ACCUMULATED:
             raise RuntimeError("step: no backward since the last step; call engine.backward first")
         self._take_stray_gradients("step")
@@ -980,6 +988,16 @@ class Engine:
 
     def eval(self) -> Engine:
         return self.train(False)
+
+    def gathered_parameters(
+        self, params: object = None, modifier_rank: int | None = None
+    ) -> GatheredParameters:
+        """A context in which ``params`` (a module of the model, a parameter, an iterable
+        of them; None: the whole model) hold their whole weights, at stage 3 too: an EMA,
+        a weight norm, a copy into another model. Every rank must enter it alike. Writes
+        are kept only with ``modifier_rank``: that rank's weights go to every rank on exit.
+        See [Note: gathered parameters] in gathered.py."""
+        return GatheredParameters(self, params, modifier_rank)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state, as ``module.state_dict()`` would give it unpartitioned.

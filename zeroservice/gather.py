@@ -139,6 +139,9 @@ class ParamGatherer:
         """Running hash of the units this rank issued, checked once per step (see
         gather_check.py), or None."""
         self._in_place_write: str | None = None
+        self.copies_out = False
+        """Inside ``engine.gathered_parameters()``: the placeholders hold gathered copies,
+        and a forward is refused (see [Note: gathered parameters] in gathered.py)."""
         """What ``_check_unmodified`` last found (see ``take_in_place_write``)."""
         self.prefetch_elements = prefetch_elements
         self.dtype = units[0].flat.dtype
@@ -258,6 +261,12 @@ class ParamGatherer:
     @_outside_inference_mode
     def pre_forward(self, indices: list[int], is_root: bool, module, args) -> None:
         """A group's forward begins: gather its units into a new window."""
+        if self.copies_out and not self._windows:
+            raise RuntimeError(
+                "forward: inside engine.gathered_parameters() at stage 3 the parameters hold "
+                "gathered copies that a forward's own gathers would release; run the forward "
+                "outside the context"
+            )
         if is_root and not self._windows:
             self.plan.begin(Pass.FORWARD)
             self.forward_reads.clear()
