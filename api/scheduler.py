@@ -395,7 +395,7 @@ class Scheduler:
             if job.status != JobState.QUEUED:
                 continue
             spec = self._stored_spec(session, job)
-            if spec is None:
+            if spec is None or not self._still_admissible(session, job, spec):
                 continue
             if not quota.within_quota(session, job.tenant_id, spec, usage):
                 continue  # the tenant's own limit: it waits, others go on
@@ -420,6 +420,24 @@ class Scheduler:
             )
             self._commit(session)
             return None
+
+    def _still_admissible(self, session: Session, job: Job, spec: JobSpec) -> bool:
+        """False after failing the job when it could never be admitted any more: its
+        tenant's quota was lowered below it (or the cluster's maximum) since it was
+        queued. It would otherwise wait forever and count against the tenant's queue,
+        where the same spec submitted now is refused (422)."""
+        try:
+            quota.check_admissible(session, job.tenant_id, spec, self.settings)
+        except quota.OverLimit as exc:
+            store.set_status(
+                session, job, JobState.FAILED, "over_quota", f"{exc}; it can never be admitted"
+            )
+            try:
+                self._commit(session)
+            except StaleDataError:  # a cancel committed meanwhile wins
+                session.rollback()
+            return False
+        return True
 
     def _overdue(self, job: Job) -> bool:
         waited = (utcnow() - job.created_at).total_seconds()

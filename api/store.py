@@ -219,8 +219,15 @@ def _refuse_shared_checkpoints(session: Session, tenant_id: int, path: str) -> N
 
 
 def _nested(a: str, b: str) -> bool:
-    """Whether one of two checkpoint locations (paths or s3 URIs) lies in the other."""
-    pa, pb = (tuple(p for p in x.split("/") if p) for x in (a, b))
+    """Whether one of two checkpoint locations (paths or s3 URIs) lies in the other.
+    Directories are compared case-folded, as tenant names are: on a file system that
+    ignores case (or a share mounted from one) ``run1`` and ``RUN1`` are one directory.
+    Object keys are case-sensitive everywhere and compared as they are."""
+
+    def parts(x: str) -> tuple[str, ...]:
+        return tuple(p if x.startswith("s3://") else p.casefold() for p in x.split("/") if p)
+
+    pa, pb = parts(a), parts(b)
     return pa[: len(pb)] == pb or pb[: len(pa)] == pa
 
 

@@ -475,7 +475,40 @@ class JobSpec(_Strict):
                 "out (it is micro_batch)"
             )
         self._leaf_modules_exist()
+        self._engine_fits_resources()
         return self
+
+    def _engine_fits_resources(self) -> None:
+        """Engine settings whose validity depends on the resources, checked for every
+        size the job may run at: an elastic job shrinks and grows within
+        [min_dp, max_dp], and each rank's engine would refuse a size that breaks them."""
+        checked = dict(self.engine)
+        if checked.get("stage") == "auto":
+            checked["stage"] = 0
+        cfg = ZeroConfig.from_dict(checked)
+        res = self.resources
+        rpn = cfg.ranks_per_node
+        if rpn is not None:
+            lo, hi = res.lowest_dp, res.highest_dp
+            bad = next((d for d in range(lo, hi + 1) if d % rpn), None)
+            if bad is not None:
+                sizes = f"resources.dp {lo}" if lo == hi else f"min_dp..max_dp {lo}..{hi}"
+                raise ValueError(
+                    f"engine.ranks_per_node: {rpn} does not divide the data-parallel size "
+                    f"{bad}, which the job may run at ({sizes}); every such size must be a "
+                    "multiple of it"
+                )
+            two_level = cfg.hierarchical_partition or cfg.quantized_gradients != "none"
+            if two_level and res.mp > 1 and hi > 1:
+                raise ValueError(
+                    "engine.ranks_per_node: hierarchical ZeRO++ groups (hierarchical_partition, "
+                    f"quantized_gradients) are not supported with resources.mp {res.mp}"
+                )
+        if res.gpus_per_rank and cfg.collectives in ("ring", "shm"):
+            raise ValueError(
+                f"engine.collectives: {cfg.collectives!r} moves host tensors over gloo, and "
+                "GPU ranks (resources.gpus_per_rank 1) train on NCCL; use 'auto' or 'native'"
+            )
 
     def _leaf_modules_exist(self) -> None:
         """The reference GPT's ``stage3_leaf_modules`` are checked at submission (the

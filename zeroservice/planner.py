@@ -366,6 +366,8 @@ def _check_zeropp(
     if hierarchical_partition and ranks_per_node is None:
         raise PlanError("hierarchical_partition: needs ranks_per_node")
     _check_int("quantization_block", block, 8)
+    if block % 8:
+        raise PlanError(f"quantization_block: must be a multiple of 8, got {block}")
 
 
 def activation_bytes(

@@ -129,6 +129,25 @@ def test_an_elastic_job_counts_at_its_largest_size_against_the_quota(harness):
     assert _status(harness, second, alice)["status"] == "queued"  # 3 + 3 > 4
 
 
+def test_a_queued_job_a_lowered_quota_can_never_admit_fails_with_the_numbers(harness):
+    """Waiting would be for ever, and it would go on counting against the tenant's
+    queue, where the same spec submitted now is refused."""
+    c, admin = harness.client, harness.headers(harness.admin)
+    alice = harness.headers(harness.tenant_token("alice"))
+    harness.backend.total["CPU"] = 2.0  # the 4-rank job waits for capacity
+    waiting, small = _submit(harness, alice, FOUR), _submit(harness, alice)
+    harness.tick()
+    assert _status(harness, waiting, alice)["status"] == "queued"
+    assert c.put("/v1/tenants/alice/limits", json={"max_ranks": 2}, headers=admin).is_success
+    harness.tick()
+    got = _status(harness, waiting, alice)
+    assert (got["status"], got["reason"]) == ("failed", "over_quota")
+    assert "needs 4 ranks; this tenant's quota is 2; it can never be admitted" in got["message"]
+    assert _status(harness, small, alice)["status"] == "starting"  # admission went on
+    events = c.get(f"/v1/jobs/{waiting}/events", headers=alice).json()
+    assert any(e["reason"] == "over_quota" for e in events)
+
+
 def test_tokens_are_rate_limited(database_url, tmp_path):
     h = Harness(database_url, tmp_path / "data", rate_per_s=0.001, rate_burst=4)
     try:

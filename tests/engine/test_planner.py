@@ -177,6 +177,7 @@ def test_activation_formula():
         (dict(dp=2, stage=1, quantized_gradients="int2"), "quantized_gradients"),
         (dict(dp=4, stage=1, ranks_per_node=3), "ranks_per_node"),
         (dict(dp=2, stage=1, quantization_block=4), "quantization_block"),
+        (dict(dp=2, stage=3, quantization_block=12), "quantization_block"),  # as the engine
         (dict(dp=2, stage=2, bucket_elements=1023), "bucket_elements"),  # the engine's minimum
     ],
 )

@@ -92,10 +92,48 @@ def _error(body) -> str:
             "engine.train_micro_batch_size: 8 differs from micro_batch 4",
         ),
         ({"resources": {"host_allocator": "jemalloc"}}, "resources.host_allocator"),
+        # Engine settings that hold only at some sizes, checked at every size the job
+        # may run at (each rank's engine would refuse the others).
+        (
+            {"engine": {"ranks_per_node": 2}, "resources": {"dp": 3}},
+            "engine.ranks_per_node: 2 does not divide the data-parallel size 3, which the "
+            "job may run at (resources.dp 3)",
+        ),
+        (
+            {"engine": {"ranks_per_node": 2}, "resources": {"dp": 4, "min_dp": 2, "max_dp": 4}},
+            "size 3, which the job may run at (min_dp..max_dp 2..4)",
+        ),
+        (
+            {
+                "engine": {"stage": 3, "ranks_per_node": 2, "hierarchical_partition": True},
+                "resources": {"dp": 2, "mp": 2},
+                "model": {"n_head": 4},
+            },
+            "hierarchical ZeRO++ groups (hierarchical_partition, quantized_gradients) are not "
+            "supported with resources.mp 2",
+        ),
+        (
+            {"engine": {"collectives": "shm"}, "resources": {"gpus_per_rank": 1}},
+            "engine.collectives: 'shm' moves host tensors over gloo, and GPU ranks",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(body, needle):
     assert needle in _error(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"engine": {"ranks_per_node": 2}, "resources": {"dp": 4, "min_dp": 4, "max_dp": 4}},
+        {"engine": {"ranks_per_node": 1}, "resources": {"dp": 2, "min_dp": 1, "max_dp": 3}},
+        # qgZ in one hop (no ranks_per_node) beside MP.
+        {"engine": {"quantized_gradients": "int8"}, "resources": {"dp": 2, "mp": 2}},
+        {"engine": {"collectives": "native"}, "resources": {"gpus_per_rank": 1}},
+    ],
+)
+def test_engine_settings_valid_at_every_size_are_accepted(body):
+    JobSpec.model_validate(body)
 
 
 def test_leaf_modules_of_the_reference_gpt_are_accepted_by_class_or_name():
