@@ -6,6 +6,7 @@ prints every line once until the job ends, ``report`` writes its charts and page
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 from tests.api.fakes import point
@@ -237,6 +238,12 @@ def test_a_malformed_job_file_is_a_one_line_error_before_any_request(tmp_path, c
         "empty.yaml": ("", "empty: no job spec in it"),
         "list.json": ("[1, 2]", "a job spec is a mapping of fields, not a list"),
         "broken.json": ('{"name": ', "Expecting value: line 1 column 10"),
+        # A key given twice would be sent with its last value; the API refuses it too.
+        "twice.json": ('{"name": "a", "name": "b"}', "the key 'name' appears twice"),
+        "twice.yaml": (
+            "steps: 1\nsteps: 2\n",
+            "not valid YAML: line 2, column 1: the key 'steps' appears twice",
+        ),
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
@@ -278,6 +285,43 @@ def test_values_json_cannot_carry_are_a_one_line_error_naming_the_field(tmp_path
         assert err.count("\n") == 1 and f"{tmp_path / name}: {message}" in err, err
 
 
+def test_a_yaml_merge_may_set_a_key_again(tmp_path):
+    from zscli.service_cli import _load_spec
+
+    (tmp_path / "merged.yaml").write_text(
+        "base: &b {lr: 0.1, eps: 1.0e-8}\noptimizer:\n  <<: *b\n  lr: 0.2\n"
+    )
+    assert _load_spec(str(tmp_path / "merged.yaml"))["optimizer"] == {"lr": 0.2, "eps": 1e-8}
+
+
+def test_a_broken_stack_record_or_token_file_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """A stack.json cut short (or not ours) and a token file that is not text: one line
+    naming the file; with ZEROSERVICE_URL and ZEROSERVICE_TOKEN set the record is not
+    read at all."""
+    monkeypatch.setenv("ZEROSERVICE_HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROSERVICE_URL", raising=False)
+    monkeypatch.delenv("ZEROSERVICE_TOKEN", raising=False)
+    stack = tmp_path / "stack.json"
+    for text in ("", "[1]", '{"url": 5}'):
+        stack.write_text(text)
+        for argv in (["list"], ["down"]):
+            assert main(argv) == 1, (text, argv)
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{stack}: not a stack record" in err, err
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe")
+    record = {"url": "http://127.0.0.1:9", "ray_address": "127.0.0.1:1", "api_pid": None}
+    stack.write_text(json.dumps({**record, "token_file": str(token)}))
+    assert main(["list"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{token}: not a token file" in err, err
+    stack.write_text("")
+    monkeypatch.setenv("ZEROSERVICE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("ZEROSERVICE_TOKEN", "zs_x")
+    assert main(["list"]) == 1
+    assert "cannot reach the service at" in capsys.readouterr().err
+
+
 def test_a_service_that_cannot_be_used_is_a_one_line_error(monkeypatch, capsys):
     """No server at the URL, a URL or token that cannot be sent, a setting of the wrong
     kind, a job id that would name another route: one line each, no traceback."""
@@ -286,6 +330,8 @@ def test_a_service_that_cannot_be_used_is_a_one_line_error(monkeypatch, capsys):
     cases = [
         ({"ZEROSERVICE_URL": "http://127.0.0.1:9"}, ["list"], "cannot reach the service at"),
         ({"ZEROSERVICE_URL": "localhost:8765"}, ["list"], "is not an http:// or https:// URL"),
+        ({"ZEROSERVICE_URL": "http://[::1"}, ["list"], "is not an http:// or https:// URL"),
+        ({"ZEROSERVICE_URL": "http://h:port"}, ["list"], "is not an http:// or https:// URL"),
         ({"ZEROSERVICE_TOKEN": "zs_\u00e9"}, ["list"], "ZEROSERVICE_TOKEN: not a token"),
         ({"ZEROSERVICE_TOKEN": "zs_a\nb"}, ["list"], "ZEROSERVICE_TOKEN: not a token"),
         ({"ZEROSERVICE_PORT": "abc"}, ["list"], "ZEROSERVICE_PORT='abc': not a whole number"),

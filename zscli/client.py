@@ -11,7 +11,7 @@ import httpx
 
 from api.settings import Settings
 
-from .server import read_stack
+from .server import StackError, read_stack
 
 
 class ApiError(Exception):
@@ -26,28 +26,45 @@ class ApiError(Exception):
 
 class Client:
     def __init__(self, url: str, token: str, timeout: float = 30.0):
-        parts = urlsplit(url)
+        not_url = ApiError(0, f"ZEROSERVICE_URL: {url[:80]!r} is not an http:// or https:// URL")
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 -- a port that is not a number raises here
+        except ValueError:  # an unclosed [ or a bad port
+            raise not_url from None
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ApiError(0, f"ZEROSERVICE_URL: {url[:80]!r} is not an http:// or https:// URL")
+            raise not_url
         if not token.isascii() or not token.isprintable() or " " in token:
             raise ApiError(
                 0,
                 "ZEROSERVICE_TOKEN: not a token (it holds spaces, control or non-ASCII characters)",
             )
         self.url = url
-        self.http = httpx.Client(
-            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout
-        )
+        try:
+            self.http = httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout
+            )
+        except (httpx.InvalidURL, ValueError):
+            raise not_url from None
 
     @classmethod
     def from_env(cls, settings: Settings | None = None) -> Client:
         """URL and token from ZEROSERVICE_URL / ZEROSERVICE_TOKEN, else the local stack."""
         settings = settings or Settings.from_env()
-        stack = read_stack(settings) or {}
-        url = os.environ.get("ZEROSERVICE_URL") or stack.get("url")
+        url = os.environ.get("ZEROSERVICE_URL")
         token = os.environ.get("ZEROSERVICE_TOKEN")
-        if token is None and stack.get("token_file") and Path(stack["token_file"]).is_file():
-            token = Path(stack["token_file"]).read_text().strip()
+        if not url or token is None:  # the local stack only for what is not set
+            try:
+                stack = read_stack(settings) or {}
+            except StackError as exc:
+                raise ApiError(0, exc) from None
+            url = url or stack.get("url")
+            token_file = stack.get("token_file")
+            if token is None and isinstance(token_file, str) and Path(token_file).is_file():
+                try:
+                    token = Path(token_file).read_text().strip()
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise ApiError(0, f"{token_file}: not a token file ({exc})") from None
         if not url or not token:
             raise ApiError(
                 0,

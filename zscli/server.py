@@ -30,9 +30,33 @@ def stack_path(settings: Settings) -> Path:
     return settings.data_dir / STACK_FILE
 
 
+class StackError(RuntimeError):
+    """``stack.json`` exists but is not a stack record (truncated, edited, not ours)."""
+
+
 def read_stack(settings: Settings) -> dict | None:
+    """The local stack's record, None when there is none; StackError naming the file
+    when it cannot be read as one."""
     path = stack_path(settings)
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise StackError(
+            f"{path}: not a stack record ({exc}); remove it if no stack runs"
+        ) from None
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("url"), str)
+        and isinstance(record.get("ray_address"), str)
+        and (record.get("api_pid") is None or type(record.get("api_pid")) is int)
+    ):
+        raise StackError(
+            f"{path}: not a stack record (it needs url, ray_address and api_pid); "
+            "remove it if no stack runs"
+        )
+    return record
 
 
 def _clean_env(extra: dict[str, str], **more: str) -> dict[str, str]:
@@ -187,7 +211,10 @@ def up(settings: Settings, num_cpus: float, num_gpus: int = 0, wait_s: float = 1
         "log": str(settings.data_dir / "api.log"),
         "data_dir": str(settings.data_dir),
     }
-    stack_path(settings).write_text(json.dumps(record, indent=2))
+    path = stack_path(settings)  # written whole or not at all: a crash leaves no half
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(record, indent=2))
+    os.replace(part, path)
     return _ready({**record, "ray_kept": kept}, proc.poll, wait_s)  # this call's, not stored
 
 

@@ -51,9 +51,12 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from .server import down
+    from .server import StackError, down
 
-    stopped = down(Settings.from_env())
+    try:
+        stopped = down(Settings.from_env())
+    except StackError as exc:
+        return _fail(exc)
     print("zeroservice stopped" if stopped else "zeroservice: nothing running")
     return 0
 
@@ -77,7 +80,7 @@ def _load_spec(path: str) -> dict[str, Any]:
             raise ValueError(f"not valid YAML: {exc}") from exc
     else:
         try:
-            spec = json.loads(text, parse_constant=_no_constant)
+            spec = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
         except RecursionError:
             raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
     if spec is None:
@@ -131,6 +134,17 @@ def _check_json(value: Any, where: str, depth: int, open_: set[int], count: list
     open_.discard(id(value))
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different: a key given twice would be sent with
+    its last value, which the API refuses (its parser keeps every pair)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key[:64]!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number (a job spec's numbers are finite)")
 
@@ -144,7 +158,24 @@ def _yaml_loader() -> type:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            """Refuse a key given twice in one mapping (PyYAML keeps the last value);
+            keys a merge (``<<: *base``) brings in may be set again, as YAML intends."""
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    repeated = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                if repeated:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {str(key)[:64]!r} appears twice", key_node.start_mark
+                    )
+            return super().construct_mapping(node, deep=deep)
 
     exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
