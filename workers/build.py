@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroservice
+from zeroservice.checkpoint.storage import is_uri
 from zeroservice.data import ByteText, SyntheticTokens, TokenDataset, TokenFile
 from zeroservice.models import GPT
 from zeroservice.optim import OptimizerFactory
@@ -119,9 +123,57 @@ def build_dataset(spec: JobSpec) -> TokenDataset:
     if data.kind == "synthetic":
         return SyntheticTokens(spec.model.vocab_size, seq, seed=data.seed)
     assert data.path is not None
+    if is_uri(data.path):
+        return _file_dataset(data.path, spec)
+    with opened_as_checked(data.path) as path:
+        try:
+            dataset = _file_dataset(path, spec)
+        except ValueError as exc:  # named by the job's path, not by the descriptor read
+            raise ValueError(str(exc).replace(path, data.path)) from None
+    if isinstance(dataset, TokenFile):
+        dataset.path = data.path  # what its later messages name
+    return dataset
+
+
+def _file_dataset(path: str, spec: JobSpec) -> TokenDataset:
+    data, seq = spec.data, spec.model.seq_len
     if data.kind == "text":
-        return ByteText(data.path, seq, seed=data.seed)
-    return TokenFile(data.path, seq, spec.model.vocab_size, data.dtype, seed=data.seed)
+        return ByteText(path, seq, seed=data.seed)
+    return TokenFile(path, seq, spec.model.vocab_size, data.dtype, seed=data.seed)
+
+
+@contextlib.contextmanager
+def opened_as_checked(path: str) -> Iterator[str]:
+    """A path that reads the very file ``path`` named when the control plane checked it,
+    valid inside the context (the datasets read their file, or map it, when built).
+
+    [Note: a data file opened as checked]
+    At submission the control plane resolves ``data.path``, symlinks included, and
+    stores the real path only if it lies under the tenant's data roots (api/confine.py).
+    A tenant who can rename entries in its own root could afterwards replace a
+    directory on that path by a symlink into another tenant's root: opened by name,
+    the stored path would then read the other tenant's file. So the rank opens the
+    file, asks the kernel which file it opened (``/proc/self/fd``), refuses it unless
+    that is the stored path, and builds the dataset through the descriptor it
+    checked: no later swap reaches it. Without ``/proc`` the real path is compared
+    before opening."""
+    wanted = os.path.abspath(path)
+    fd = os.open(wanted, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        try:
+            opened = os.readlink(proc)
+        except OSError:
+            opened, proc = os.path.realpath(wanted), wanted
+        if opened != wanted:
+            raise ValueError(
+                f"data.path: {path} no longer leads to the file checked when the job was "
+                "submitted (a directory or link on its way was replaced since); submit the "
+                "job again"
+            )
+        yield proc
+    finally:
+        os.close(fd)
 
 
 def optimizer_factory(spec: JobSpec) -> OptimizerFactory:

@@ -122,6 +122,25 @@ def test_bad_specs_name_the_field(body, needle):
     assert needle in _error(body)
 
 
+def test_a_data_path_whose_directory_was_swapped_for_a_link_is_refused(tmp_path):
+    """The control plane checked the real path at submission; a directory on it replaced
+    by a symlink afterwards (into another tenant's data) is refused by the rank, which
+    reads through the descriptor it checked (see [Note: a data file opened as checked])."""
+    own, other = tmp_path / "a" / "sub", tmp_path / "b"
+    own.mkdir(parents=True)
+    other.mkdir()
+    (own / "corpus.txt").write_bytes(b"tenant a's own text " * 10)
+    (other / "corpus.txt").write_bytes(b"TENANT B SECRET TEXT " * 10)
+    job = tiny_job(data={"kind": "text", "path": str(own / "corpus.txt")})
+    assert bytes(build_dataset(job).data[:8].tolist()) == b"tenant a"
+    (own / "corpus.txt").unlink()
+    own.rmdir()
+    own.symlink_to(other)
+    with pytest.raises(ValueError, match="no longer leads to the file checked") as e:
+        build_dataset(job)
+    assert str(other) not in str(e.value)  # the other file's place is not told
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -239,6 +258,10 @@ def test_builds_each_model_kind_and_dataset(tmp_path):
     with pytest.raises(ValueError, match="a token id near offset .* outside the vocabulary") as e:
         ds.sample(0)
     assert "300" not in str(e.value)  # the file's content is never in a message
+    assert str(e.value).startswith(f"{tokens}: ")  # named by the job's path
+    text.write_bytes(b"short")
+    with pytest.raises(ValueError, match=f"^{text}: 5 bytes is too short for seq_len 16"):
+        build_dataset(tiny_job(data={"kind": "text", "path": str(text)}))
     opt = optimizer_factory(tiny_job(optimizer={"type": "sgd", "lr": 0.1, "momentum": 0.9}))
     assert isinstance(opt([torch.nn.Parameter(torch.zeros(2))]), torch.optim.SGD)
 
