@@ -13,14 +13,15 @@ VmRSS read. The model is built next, under ``deferred_init`` (its parameters nev
 exist whole outside the engine's units), wrapped and trained. The peak is VmHWM minus
 that baseline, the largest over the phases of every step (VmHWM is reset at the start
 of each phase, so the phase holding the peak is known). The prediction counts the same
-thing: every byte the engine and the step allocate, from none.
+thing: every byte the engine and the step allocate, from none; for an fp32 case, also
+MKL's buffer cache as ``zeroservice.mkl_cache.measure_mkl_cache`` measures it on this
+host, once per shape and MP degree (a few seconds each; see [Note: MKL's buffer cache]).
 
 ``MALLOC_MMAP_THRESHOLD_=131072`` (as the other benchmarks) by default: glibc then maps
 every block above 128 KiB on its own and returns it when freed; ``--default-malloc``
 runs under glibc's default instead. ``--mkl-cache-off`` sets ``MKL_DISABLE_FAST_MM=1``
 in the ranks: MKL then frees its matrix-product buffers after each product instead of
-keeping them for the next (a few MiB that the prediction does not count; see
-docs/planner.md).
+keeping them for the next, and the cache is neither measured nor predicted.
 
 ``--cuda`` runs the matrix on one GPU instead, on GPU-sized shapes (``CUDA_SHAPES``),
 the two ranks sharing it over gloo: the peak is ``torch.cuda.max_memory_allocated``
@@ -41,6 +42,7 @@ against its budget.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -60,6 +62,7 @@ from zeroservice.autoconf import auto_configure
 from zeroservice.data import SyntheticTokens, micro_batch
 from zeroservice.launch import run_local
 from zeroservice.memory import process_status_kib
+from zeroservice.mkl_cache import measure_mkl_cache
 from zeroservice.models import GPT, GPTConfig
 from zeroservice.peak import PeakConfig, native_bf16_matmul, predict_peak
 from zeroservice.tensor_parallel import MPGroup
@@ -131,9 +134,9 @@ class Case:
             out["offload_optimizer"] = True
         return out
 
-    def peak_config(self, native_bf16: bool | None = None) -> PeakConfig:
-        """The prediction's input; ``native_bf16``: as for ``PeakConfig`` (None: this
-        host)."""
+    def peak_config(self, native_bf16: bool | None = None, mkl_cache: int = 0) -> PeakConfig:
+        """The prediction's input; ``native_bf16`` and ``mkl_cache``: as for
+        ``PeakConfig`` (None: this host; 0: not counted)."""
         cfg, batch = ALL_SHAPES[self.shape]
         return PeakConfig(
             cfg,
@@ -148,6 +151,7 @@ class Case:
             offload_optimizer=self.offload,
             native_bf16=native_bf16,
             device=self.device,
+            mkl_cache=mkl_cache,
         )
 
 
@@ -523,8 +527,23 @@ def run_case(case: Case) -> dict:
         "ranks": ranks,
         "seconds": time.time() - t0,
         "native_bf16": native_bf16_matmul(),  # the ranks ran on this host
+        "mkl_cache_bytes": host_mkl_cache(case),
     }
     return score(row)
+
+
+@functools.cache
+def _mkl_cache_of(shape: str, mp: int) -> int:
+    cfg, batch = SHAPES[shape]
+    return measure_mkl_cache(cfg, batch, mp)
+
+
+def host_mkl_cache(case: Case) -> int:
+    """MKL's buffer cache on this host for an fp32 case, measured once per shape and MP
+    degree (0 with the cache off, and for bf16: see [Note: MKL's buffer cache])."""
+    if case.precision != "fp32" or os.environ.get("MKL_DISABLE_FAST_MM"):
+        return 0
+    return _mkl_cache_of(case.shape, case.mp)
 
 
 def score(row: dict) -> dict:
@@ -532,7 +551,8 @@ def score(row: dict) -> dict:
     measured it (rows recorded before ``native_bf16`` was kept ran on a CPU without
     native bf16 products)."""
     native = row.setdefault("native_bf16", False)
-    predicted = predict_peak(Case(**row["case"]).peak_config(native_bf16=native))
+    mkl = row.setdefault("mkl_cache_bytes", 0)  # rows recorded before it was measured: 0
+    predicted = predict_peak(Case(**row["case"]).peak_config(native_bf16=native, mkl_cache=mkl))
     row["predicted_bytes"] = predicted.peak
     row["predicted_phase"] = predicted.phase
     row["predicted"] = predicted.as_dict()

@@ -75,12 +75,17 @@ reference GPT's step multiplies in ``BF16_MATMUL_SHAPES`` shapes whatever its de
 BF16_KERNEL_BYTES`` from its first step on (``PeakConfig.native_bf16``; ``None`` asks
 this host: ``native_bf16_matmul``).
 
+A second is measured per host, when given: fp32 products keep MKL's buffer cache
+resident (2-7 MiB on ~6 M-parameter GPTs, by CPU), which ``PeakConfig.mkl_cache`` adds
+to every moment (see [Note: MKL's buffer cache] in mkl_cache.py).
+
 Nothing else is fitted to a measurement, and no allocator term is added: with
 ``MALLOC_MMAP_THRESHOLD_=131072`` glibc maps every block above 128 KiB on its own and
 unmaps it when freed, so RSS follows the tensors. Measured against this prediction
 (benchmarks/planner_oracle.py, docs/planner.md) a resident excess the ledger does not
-see remains at stages 0-2 (0.5-1.3 MiB in bf16, 2-7 MiB in fp32 on ~6 M-parameter GPTs):
-its source is not identified, so it is left out rather than fitted.
+see remains at stages 0-2: 0.5-1.3 MiB in bf16, whose source is not identified, so it
+is left out rather than fitted; in fp32 the 2-7 MiB of it that is MKL's cache is the
+measured term above.
 
 [Note: peak on a GPU]
 With ``device="cuda"`` the peak is what the CUDA caching allocator hands out
@@ -175,6 +180,10 @@ class PeakConfig:
     device: str = "cpu"
     """Where the rank trains: "cpu" (the peak is resident host bytes) or "cuda" (bytes the
     CUDA allocator hands out; see [Note: peak on a GPU])."""
+    mkl_cache: int = 0
+    """fp32 on a CPU: bytes MKL's buffer cache keeps resident from the first products on,
+    as ``mkl_cache.measure_mkl_cache`` measures it on the rank's host (see [Note: MKL's
+    buffer cache] in mkl_cache.py); 0: not counted."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -196,6 +205,8 @@ class PeakConfig:
         for name in ("partition_activations", "cpu_offload_activations"):
             if getattr(self, name) and not self.activation_checkpointing:
                 raise ValueError(f"{name}: applies to activation checkpoints; set them on")
+        if type(self.mkl_cache) is not int or self.mkl_cache < 0:
+            raise ValueError(f"mkl_cache: a number of bytes >= 0, not {self.mkl_cache!r}")
 
 
 @dataclass(frozen=True)
@@ -228,6 +239,9 @@ class PeakPrediction:
     kernels: int = 0
     """bf16 matrix-product kernels a CPU with native bf16 keeps resident (not in the
     ledger: they are the library's, not the engine's)."""
+    mkl_cache: int = 0
+    """MKL's buffer cache, as given (``PeakConfig.mkl_cache``), where it applies: fp32 on a
+    CPU (not in the ledger either)."""
     phases: dict[str, int] = field(default_factory=dict)
     """Total bytes at each moment."""
     breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -541,6 +555,10 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
     if kernels:
         for moment in phases.values():
             moment["bf16 kernels"] = kernels
+    mkl = c.mkl_cache if c.device == "cpu" and c.precision == "fp32" else 0
+    if mkl:  # from the first product on: every moment holds it
+        for moment in phases.values():
+            moment["mkl cache"] = mkl
     totals = {k: sum(v.values()) for k, v in phases.items()}
     where = max(totals, key=lambda k: totals[k])
     return PeakPrediction(
@@ -553,6 +571,7 @@ def predict_peak(c: PeakConfig) -> PeakPrediction:
         gathered=gathered,
         arena=arena,
         kernels=kernels,
+        mkl_cache=mkl,
         phases=totals,
         breakdown=phases,
     )
