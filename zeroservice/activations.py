@@ -339,9 +339,16 @@ class ActivationCheckpointer:
     Each recomputation back-propagates in a backward of its own, so a parameter used
     by two checkpointed calls (a block called twice, a weight tied across blocks)
     has its gradient accumulated, and its post-accumulate hook run, once per call,
-    and once more for a use outside every checkpointed block. The reducer must not
-    reduce its unit before the last of them: ``take_expected_fires`` tells it how
-    many to wait for, counted from the forwards since the last backward.
+    and once more if the loss's own graph uses it outside every checkpointed call: a
+    tied embedding's owner, a block's sub-module or weight used directly by the root's
+    forward, a weight penalty over ``parameters()`` in the forward or in the loss. The
+    reducer must not reduce its unit before the last of them: ``take_expected_fires``
+    tells it how many to wait for, the calls counted from the forwards since the last
+    backward and the outside use read from the loss's graph (an ``AccumulateGrad`` node
+    of the parameter reachable from the loss; a recomputation's graph is built later
+    and reaches none). Counting the outside use by which module owns the parameter
+    instead missed every one of those uses but the first, and the backward failed on
+    a gradient arriving after its unit's reduction.
 
     [Note: what a recomputation cannot replay]
     A block's recomputation must compute what its first forward did, and the first
@@ -362,7 +369,6 @@ class ActivationCheckpointer:
         modules: list[tuple[str, nn.Module]],
         store: CheckpointStore,
         recompute_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-        root: nn.Module | None = None,
         own_backward: Callable[[], bool] = lambda: True,
     ):
         self.store = store
@@ -377,13 +383,8 @@ class ActivationCheckpointer:
         self._params = {
             id(module): [p for p in module.parameters() if p.requires_grad] for _, module in modules
         }
-        self._owned_outside = _owned_outside(root, [m for _, m in modules]) if root else set()
-        """ids of parameters some module outside every checkpointed block also owns."""
         self._calls: dict[int, int] = {}
         """Per parameter id, the checkpointed calls using it since the last backward."""
-        self._used_directly: set[int] = set()
-        """Parameters of a block called with a graph but not checkpointed (no tensor
-        input) since the last backward."""
         self._inner = {
             id(block): [
                 (f"{name}.{sub}" if name else sub, m, m.__dict__.get("forward"))
@@ -421,8 +422,7 @@ class ActivationCheckpointer:
     def _forward(self, name: str, module: nn.Module, original: Callable, *args: Any, **kwargs: Any):
         if self._replaying or not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        if not args or not isinstance(args[0], torch.Tensor):
-            self._used_directly.update(id(p) for p in self._params[id(module)])
+        if not args or not isinstance(args[0], torch.Tensor):  # in the loss's graph
             return original(*args, **kwargs)
         for p in self._params[id(module)]:
             self._calls[id(p)] = self._calls.get(id(p), 0) + 1
@@ -455,18 +455,13 @@ class ActivationCheckpointer:
         out = _Checkpoint.apply(self, name, module, run, rerun, x, self._anchor)
         return built[0](list(out)) if built else out
 
-    def take_expected_fires(self) -> dict[int, int]:
+    def take_expected_fires(self, loss: torch.Tensor) -> dict[int, int]:
         """Per parameter id used by a checkpointed call since the last backward, how many
-        times the next backward accumulates its gradient (see [Note: gradients of a
-        shared parameter]); counting starts again. A count may be one too high (an owner
-        outside the blocks that this forward did not call): its unit is then reduced
-        with the backward's last, never too early."""
-        fires = {
-            pid: calls + (pid in self._owned_outside or pid in self._used_directly)
-            for pid, calls in self._calls.items()
-        }
-        self._calls, self._used_directly = {}, set()
-        return fires
+        times the backward of ``loss`` accumulates its gradient (see [Note: gradients of
+        a shared parameter]); counting starts again."""
+        calls, self._calls = self._calls, {}
+        outside = leaves_of(loss.grad_fn, set(calls)) if calls else set()
+        return {pid: n + (pid in outside) for pid, n in calls.items()}
 
     def remove(self) -> None:
         for _, module in self.modules:
@@ -632,16 +627,23 @@ def _engine_hooks_only(block: nn.Module) -> Iterator[None]:
             setattr(block, attr, hooks)
 
 
-def _owned_outside(root: nn.Module, blocks: list[nn.Module]) -> set[int]:
-    """ids of parameters registered on a module outside every block's subtree."""
-    inside = {id(m) for block in blocks for m in block.modules()}
-    return {
-        id(p)
-        for module in root.modules()
-        if id(module) not in inside
-        for p in module._parameters.values()
-        if p is not None
-    }
+def leaves_of(node, wanted: set[int]) -> set[int]:
+    """ids of the parameters in ``wanted`` whose gradient the graph from ``node`` (a
+    loss's ``grad_fn``) accumulates directly: an ``AccumulateGrad`` node of theirs is
+    reachable from it. The walk ends once every one is found."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = [node] if node is not None else []
+    while stack and len(found) < len(wanted):
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        variable = getattr(current, "variable", None)
+        if variable is not None and id(variable) in wanted:
+            found.add(id(variable))
+        stack.extend(nxt for nxt, _ in current.next_functions if nxt is not None)
+    return found
 
 
 def checkpointed_modules(root: nn.Module, whole: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:

@@ -386,7 +386,6 @@ class Engine:
                 blocks,
                 self.activations,
                 recompute,
-                root=module,
                 own_backward=lambda: state.value.in_backward,
             )
         self.scaler = DynamicLossScaler(config.loss_scale) if config.precision == "fp16" else None
@@ -547,7 +546,7 @@ class Engine:
         left = self.state.move(TrainingState.REDUCING if reduces else TrainingState.BACKWARD)
         try:
             ck = self._checkpointer
-            self.reducer.pre_backward(ck.take_expected_fires() if ck is not None else None)
+            self.reducer.pre_backward(ck.take_expected_fires(loss) if ck is not None else None)
             if self.gatherer is not None:
                 self.gatherer.begin_backward()
             scale = self.loss_scale / self.config.gradient_accumulation_steps

@@ -32,7 +32,10 @@ class _Shared(nn.Module):
     - ``list-of-lists``: the list's items are lists of blocks, never called themselves;
     - ``list-of-dicts``: the list's items are nn.ModuleDicts of blocks, likewise;
     - ``size-grouped-list``: ``stage3_grouping="size"`` makes the whole list one group,
-      so at stage 3 no block is a group of its own (their weights are read on demand).
+      so at stage 3 no block is a group of its own (their weights are read on demand);
+    - ``weight-read``: the root's forward also multiplies by block 0's weight directly;
+    - ``penalty``: the loss adds a weight penalty over ``self.parameters()``, so every
+      block's weights are used once more outside the checkpointed calls.
     """
 
     def __init__(self, kind: str, user_reentrant: bool = False):
@@ -70,8 +73,13 @@ class _Shared(nn.Module):
             x = self._block(i, x)
         if self.kind == "keyword-call":
             x = torch.tanh(self.order[0](input=x))
+        if self.kind == "weight-read":
+            x = x + torch.tanh(nn.functional.linear(x, self.order[0].weight))
         x = self.proj(x)
-        return self.head(x).pow(2).mean()
+        loss = self.head(x).pow(2).mean()
+        if self.kind == "penalty":
+            loss = loss + 1e-2 * sum(p.pow(2).sum() for p in self.parameters())
+        return loss
 
 
 KINDS = (
@@ -83,6 +91,8 @@ KINDS = (
     "list-of-lists",
     "list-of-dicts",
     "size-grouped-list",
+    "weight-read",
+    "penalty",
 )
 
 
