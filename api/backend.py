@@ -11,6 +11,7 @@ from workers.messages import Succession
 from workers.spec import JobSpec
 from zeroservice.checkpoint.storage import is_uri
 
+from .claims import Claims
 from .cluster_link import ClusterLink
 
 
@@ -98,6 +99,25 @@ def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
     return [bundle(spec.resources)] * spec.resources.lowest_dp
 
 
+def _placed(jobs: list[str]) -> set[str]:
+    """The jobs among ``jobs`` whose own placement group (not one taken to grow) is
+    created."""
+    from ray.util import placement_group_table
+
+    from workers.placement import job_prefix
+
+    out = set()
+    for info in placement_group_table().values():
+        if info.get("state") != "CREATED":
+            continue
+        name = info.get("name", "")
+        for job_id in jobs:
+            prefix = job_prefix(job_id)
+            if name.startswith(prefix) and name[len(prefix) :].isdigit():
+                out.add(job_id)
+    return out
+
+
 class RayBackend:
     """Drives workers.jobs on the Ray cluster this process is connected to; with a
     ``link``, every call first makes sure the cluster answers (api/cluster_link.py)."""
@@ -105,6 +125,9 @@ class RayBackend:
     def __init__(self, link: ClusterLink | None = None) -> None:
         self.requested: list[dict[str, float]] = []
         self.link = link
+        self.claims = Claims()
+        """What launched jobs not yet placed will take (see [Note: claims of admitted
+        jobs] in api/claims.py)."""
 
     def _ensure(self) -> None:
         if self.link is not None:
@@ -124,9 +147,14 @@ class RayBackend:
 
     def fits(self, spec: JobSpec) -> bool:
         self._ensure()
+        import ray
+
         from workers.placement import replicas_available
 
-        return replicas_available(spec.resources) >= spec.resources.lowest_dp
+        free = dict(ray.available_resources())
+        if self.claims.jobs:
+            free = self.claims.unclaimed(free, _placed(self.claims.jobs))
+        return replicas_available(spec.resources, free) >= spec.resources.lowest_dp
 
     def launch(
         self,
@@ -141,6 +169,7 @@ class RayBackend:
         if not is_uri(checkpoint_root):  # an s3:// prefix needs no directory
             Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
         launch(job_id, spec, checkpoint_root, succession)
+        self.claims.claim(job_id, job_bundles(spec))
 
     def count_parameters(self, spec: JobSpec, timeout_s: float, memory_bytes: int) -> int:
         self._ensure()
@@ -203,6 +232,7 @@ class RayBackend:
 
     def reap(self, job_id: str) -> None:
         """Remove what a lost supervisor left running (its ranks are detached)."""
+        self.claims.release(job_id)
         self._ensure()
         from workers.jobs import reap
 

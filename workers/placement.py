@@ -65,9 +65,10 @@ def is_job_placement(job_id: str, name: str) -> bool:
     return rest.isdigit() or rest.startswith("grow-")
 
 
-def replicas_available(resources: ResourcesSpec) -> int:
-    """Upper bound on DP replicas the cluster's free resources could hold now."""
-    free = ray.available_resources()
+def replicas_available(resources: ResourcesSpec, free: dict[str, float] | None = None) -> int:
+    """Upper bound on DP replicas the cluster's free resources (``free``, default Ray's
+    now) could hold."""
+    free = ray.available_resources() if free is None else free
     need = bundle(resources)
     fits = [int(free.get(k, 0.0) // v) for k, v in need.items() if v > 0]
     return min(fits) if fits else 0
