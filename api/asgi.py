@@ -4,6 +4,7 @@ JSON error answered before any route runs."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -37,9 +38,13 @@ def replay(body: bytes, receive: Any) -> Any:
     return replayed
 
 
-async def send_error(send: Any, status: int, detail: str) -> None:
-    """``{"detail": ...}`` with ``status``, as the app's own errors look."""
+async def send_error(
+    send: Any, status: int, detail: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """``{"detail": ...}`` with ``status`` (and ``extra`` headers), as the app's own
+    errors look."""
     payload = json.dumps({"detail": detail}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    headers += list(extra)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

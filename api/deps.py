@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from . import store
 from .auth import Principal
+from .auth_gate import PRINCIPAL
 from .db import Job
 from .service import Service
 
@@ -49,9 +50,14 @@ def get_bearer(
 BearerToken = Annotated[str | None, Depends(get_bearer)]
 
 
-def get_principal(service: ServiceDep, db: SessionDep, token: BearerToken) -> Principal:
-    """The caller of a bearer token: 401 without a valid one, 429 over its rate."""
-    who = store.authenticate(db, token) if token else None
+def get_principal(
+    request: Request, service: ServiceDep, db: SessionDep, token: BearerToken
+) -> Principal:
+    """The caller of a bearer token: 401 without a valid one, 429 over its rate. A
+    request with a body was authenticated before it was read (api/auth_gate.py)."""
+    who = getattr(request.state, PRINCIPAL, None)
+    if who is None and token:
+        who = store.authenticate(db, token)
     if who is None:
         raise HTTPException(
             401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"}
@@ -79,19 +85,23 @@ def get_admin(who: CurrentPrincipal) -> Principal:
 AdminPrincipal = Annotated[Principal, Depends(get_admin)]
 
 
-def get_targets_reader(service: ServiceDep, db: SessionDep, token: BearerToken) -> Principal | None:
+def get_targets_reader(
+    request: Request, service: ServiceDep, db: SessionDep, token: BearerToken
+) -> Principal | None:
     """The caller of the Prometheus discovery route: the read-only metrics token (None:
     it sees every job's targets and can call nothing else) or any caller."""
     metrics = service.settings.metrics_token
     if token and metrics and hmac.compare_digest(token.encode(), metrics.encode()):
         return None
-    return get_principal(service, db, token)
+    return get_principal(request, service, db, token)
 
 
 TargetsReader = Annotated[Principal | None, Depends(get_targets_reader)]
 
 
-def check_metrics_reader(service: ServiceDep, db: SessionDep, token: BearerToken) -> None:
+def check_metrics_reader(
+    request: Request, service: ServiceDep, db: SessionDep, token: BearerToken
+) -> None:
     """The control plane's own metrics name every tenant's active jobs (their ids and
     ranks): where the service has a metrics token (every deployment in deploy/ sets
     one), only it and an admin token read them; without one (a local stack) anyone
@@ -101,7 +111,7 @@ def check_metrics_reader(service: ServiceDep, db: SessionDep, token: BearerToken
         return
     if token and hmac.compare_digest(token.encode(), metrics.encode()):
         return
-    get_admin(get_principal(service, db, token))
+    get_admin(get_principal(request, service, db, token))
 
 
 MetricsReader = Depends(check_metrics_reader)

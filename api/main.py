@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from workers.spec import warm_up_checks
 
 from . import errors
+from .auth_gate import AuthGate
 from .body_limit import BodyLimit
 from .routes import cluster, health, jobs, plan, tenants
 from .service import Service
@@ -41,6 +42,7 @@ def create_app(service: Service) -> FastAPI:
     errors.install(app)
     app.add_middleware(TextGuard)  # inside BodyLimit: the body it reads is bounded
     app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes)
+    app.add_middleware(AuthGate, service=service)  # before any body is read
     app.middleware("http")(_measure)
     for module in (health, jobs, plan, cluster, tenants):
         app.include_router(module.router)

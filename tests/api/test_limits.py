@@ -280,3 +280,46 @@ def test_a_tenants_model_builds_in_flight_are_bounded(harness):
         assert other.result().status_code == 200
     again = harness.client.post("/v1/plan", json=body, headers=alice)
     assert again.status_code == 200  # the slots came back
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer zs_wrong"}, {"Authorization": "Basic abc"}],
+)
+def test_a_body_without_a_valid_token_is_refused_before_it_is_read(harness, headers):
+    """401, not the 413 or 422 its body would get: nothing of it is read or parsed
+    (see [Note: the body after the token] in api/auth_gate.py)."""
+    limit = harness.settings.max_body_bytes
+    h = {**headers, "Content-Type": "application/json"}
+    for body in (b" " * (limit + 1), b'{"spec": {"name": "\x00"}}', b"[" * 3000):
+        r = harness.client.post("/v1/jobs", content=body, headers=h)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+    alice = harness.headers(harness.tenant_token("alice"))
+    r = harness.client.post("/v1/jobs", content=b"[" * 3000, headers={**h, **alice})
+    assert r.status_code == 422  # with a token the body is read and checked as before
+    assert harness.client.post("/v1/jobs", json={"spec": TINY}, headers=alice).status_code == 201
+    assert _jobs_stored(harness) == 1
+
+
+def test_the_gate_reads_no_body_of_a_request_without_a_token():
+    import asyncio
+    import types
+
+    from api.auth_gate import AuthGate
+
+    async def app(scope, receive, send):
+        raise AssertionError("the route ran")
+
+    async def receive():
+        raise AssertionError("the body was read")
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    service = types.SimpleNamespace(sessions=None)  # never asked: there is no token
+    for headers in ([(b"content-length", b"12")], [(b"transfer-encoding", b"chunked")]):
+        scope = {"type": "http", "method": "POST", "path": "/v1/plan", "headers": headers}
+        asyncio.run(AuthGate(app, service)(scope, receive, send))
+        assert sent[-2]["status"] == 401

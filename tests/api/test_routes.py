@@ -836,9 +836,11 @@ def test_a_layout_the_planner_cannot_make_is_a_422_naming_it(harness):
     spec = {**TINY, "engine": {"stage": 3, "ranks_per_node": 2}, "resources": {"dp": 1}}
     for route in ("/v1/plan", "/v1/jobs"):
         r = harness.client.post(route, json={"spec": spec}, headers=h)
-        assert (r.status_code, r.json()) == (
-            422,
-            {"detail": "plan: ranks_per_node: 2 does not divide dp 1"},
+        assert r.status_code == 422, route
+        (error,) = r.json()["detail"]
+        assert error["loc"] == ["body", "spec"], route
+        assert error["msg"].startswith(
+            "Value error, engine.ranks_per_node: 2 does not divide the data-parallel size 1"
         ), route
 
 
