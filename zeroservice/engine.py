@@ -916,6 +916,7 @@ class Engine:
             counters=counters,
             pending_micro_steps=self.micro_steps,
             base_lrs=list(self.optimizer.base_lrs),
+            rank_buffers=not self.config.broadcast_buffers,
             description={
                 "mp": self.mp_size,
                 "mp_rank": self.mp_rank,

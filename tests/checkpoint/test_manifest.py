@@ -73,8 +73,25 @@ def test_the_writers_layout_is_not_part_of_the_digest(tmp_path):
 def test_a_manifest_from_before_the_digest_reads_as_before(tmp_path):
     directory = tmp_path / "step-00000007"
     directory.mkdir()
-    (directory / "manifest.json").write_text(json.dumps(_manifest()))
+    (directory / "manifest.json").write_text(json.dumps(_manifest(version=1)))
     assert read_manifest(directory)["step"] == 7
+
+
+def test_a_manifest_whose_digest_was_removed_is_refused(tmp_path):
+    """Removing the digest must not switch its check off: this build's manifests are
+    version 2, which always carries it (only a version-1 manifest may lack it)."""
+    directory = tmp_path / "step-00000007"
+    directory.mkdir()
+    write_manifest(directory, _manifest())
+    path = directory / "manifest.json"
+    m = json.loads(path.read_text())
+    assert m["version"] == 2
+    del m["digest"]
+    m["step"] = 7  # an edit the digest would have caught
+    m["segments"][0]["start"] = 1
+    path.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="damaged: its digest is missing"):
+        read_manifest(directory)
 
 
 def test_a_step_other_than_its_directorys_is_refused(tmp_path):

@@ -103,6 +103,8 @@ class _Slice:
         self.reader.check_files(set(manifest["files"]))
         self.segments: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for seg in manifest["segments"]:
+            if seg["kind"] == "buffer" and seg.get("rank", 0) != 0:
+                continue  # a rank's own buffers (``rank_buffers``): the export is rank 0's
             self.segments.setdefault((seg["param"], seg["kind"]), []).append(seg)
 
     def tensor(self, entry: dict[str, Any], kind: str) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..naming import some_names
 from .files import CheckpointError, SegmentReader, dtype_of
 from .layout import Piece, held_pieces
 from .manifest import candidates, read_manifest
-from .save import persistent_buffers
+from .save import buffer_names
 from .state import Counters, ShardedState
 from .storage import Location, Where
 
@@ -96,22 +96,28 @@ class _Plan:
                     _no_state(source, saved["name"], kind, self.kinds, index)
                 self._cover(piece, kind, segs, saved["name"])
         self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        shapes = {b["name"]: b.get("shape") for b in manifest.get("buffers", [])}
-        for name, buffer in persistent_buffers(state.module):
-            segs = index.get((name, "buffer"), [])
+        shapes = {n: b.get("shape") for b in manifest.get("buffers", []) for n in _names(b)}
+        model_buffers = buffer_names(state.module)
+        _check_buffer_names(model_buffers, manifest, index, source)
+        for names, buffer in model_buffers:
+            name, segs = next(
+                ((n, index[(n, "buffer")]) for n in names if (n, "buffer") in index),
+                (names[0], []),
+            )
             if not segs:
-                raise CheckpointMismatch(f"{source}: no entry for buffer {name}")
+                raise CheckpointMismatch(f"{source}: no entry for buffer {names[0]}")
+            seg = _rank_segment(segs, state.rank)
             shape = shapes.get(name)
-            if segs[0]["end"] != buffer.numel() or (
+            if seg["end"] != buffer.numel() or (
                 shape is not None and tuple(shape) != tuple(buffer.shape)
             ):
-                was = tuple(shape) if shape is not None else f"{segs[0]['end']} elements"
+                was = tuple(shape) if shape is not None else f"{seg['end']} elements"
                 raise CheckpointMismatch(
                     f"{source}: buffer {name} is {was} in the checkpoint and "
                     f"{tuple(buffer.shape)} in this model"
                 )
-            self.buffers.append((buffer, segs[0]))
-            self.files.add(segs[0]["file"])
+            self.buffers.append((buffer, seg))
+            self.files.add(seg["file"])
 
     def _cover(self, piece: Piece, kind: str, segs: list[dict[str, Any]], name: str) -> None:
         reads = self.reads.setdefault((piece.unit.index, kind), [])
@@ -223,6 +229,39 @@ def _check_names(
         )
     if said:
         raise CheckpointMismatch(f"{source}: {some_names(said, 5)}")
+
+
+def _check_buffer_names(
+    model_buffers: list[tuple[list[str], torch.Tensor]],
+    manifest: dict[str, Any],
+    index: dict[tuple[str, str], list[dict[str, Any]]],
+    source: object,
+) -> None:
+    """A buffer the checkpoint holds that this model has none of is another model's
+    (or one a setting dropped: BatchNorm's ``track_running_stats=False``) and would be
+    dropped without a word: refused, as ``load_state_dict(strict=True)`` refuses it."""
+    known = {n for names, _ in model_buffers for n in names}
+    saved = {name for name, kind in index if kind == "buffer"}
+    saved |= {n for b in manifest.get("buffers", []) for n in _names(b)}
+    strangers = sorted(saved - known)
+    if strangers:
+        raise CheckpointMismatch(
+            f"{source}: the checkpoint holds buffers this model does not have: "
+            f"{some_names(strangers, 5)} (a checkpoint of another model, or of this one "
+            "with other settings, such as BatchNorm's track_running_stats)"
+        )
+
+
+def _names(record: dict[str, Any]) -> list[str]:
+    """Every name a saved buffer has (one registered by two modules has two)."""
+    return record.get("names", [record["name"]])
+
+
+def _rank_segment(segs: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    """Of a buffer's segments, this rank's own (saved with ``rank_buffers``), or else
+    rank 0's, which every rank loads where ranks kept no buffers of their own."""
+    own = [s for s in segs if s.get("rank", 0) == rank]
+    return (own or [s for s in segs if s.get("rank", 0) == 0] or segs)[0]
 
 
 def _entry(names: list[str], by_name: dict[str, dict[str, Any]]) -> dict[str, Any] | None:

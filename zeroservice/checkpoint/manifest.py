@@ -14,9 +14,11 @@ own content in a canonical form (keys sorted, no spaces, the digest left out), a
 reader refuses a manifest whose content does not hash to it, as damaged: a resume
 passes over it to the previous sound checkpoint. The canonical form is taken from
 the JSON as read back, so it does not depend on the writer's indentation, and
-``json`` writes floats so that they read back exactly. A manifest without the field
-(written before it existed) is read as before. The step in the manifest must be the
-one its directory is named for.
+``json`` writes floats so that they read back exactly. Manifests of format version 2
+and later are written with the digest and refused without it (a digest removed would
+otherwise switch the check off); a version-1 manifest without the field (written
+before it existed) is read as before. The step in the manifest must be the one its
+directory is named for.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from .files import CheckpointError, atomic_write_bytes
 from .storage import Location, Storage, Where, location, storage_for
 
 FORMAT = "zeroservice-checkpoint"
-VERSION = 1
+VERSION = 2
+"""What this build writes: 2 always carries the digest."""
+READ_VERSIONS = (1, 2)
+"""What this build reads: 1, from before the digest, with or without it."""
 MANIFEST = "manifest.json"
 DIGEST = "digest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -91,10 +96,13 @@ def read_manifest(directory: Where) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a zeroservice checkpoint manifest")
     version = manifest.get("version")
-    if version != VERSION:
+    if version not in READ_VERSIONS:
         raise CheckpointError(
-            f"{path}: format version {version!r} is not supported (this build reads {VERSION})"
+            f"{path}: format version {version!r} is not supported (this build reads "
+            f"{', '.join(map(str, READ_VERSIONS))})"
         )
+    if DIGEST not in manifest and version != 1:
+        raise CheckpointError(f"{path}: damaged: its digest is missing (edited or corrupt)")
     if DIGEST in manifest and manifest[DIGEST] != digest(manifest):
         raise CheckpointError(
             f"{path}: damaged: its content does not match its digest (edited or corrupt)"
@@ -119,6 +127,8 @@ def candidates(root: Where) -> list[Location]:
         return [root]
     if not store.is_dir(root):
         raise CheckpointError(f"{root}: no such checkpoint directory")
+    if STEP_DIR.match(root.name):  # one checkpoint, named: read_manifest says what it lacks
+        return [root]
     found = []
     for name in store.list_dirs(root):
         match = STEP_DIR.match(name)

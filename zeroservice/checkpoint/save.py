@@ -121,7 +121,8 @@ Item = tuple[dict[str, Any], torch.Tensor]
 
 
 def snapshot_items(state: ShardedState, kinds: list[str], copy: bool) -> list[Item]:
-    """What this rank writes: its pieces of every kind (and rank 0: the buffers).
+    """What this rank writes: its pieces of every kind (and rank 0: the buffers; every
+    rank its own where ``state.rank_buffers``).
 
     ``copy``: host copies that training may not touch (for a background write)."""
     whole = state.whole
@@ -140,9 +141,10 @@ def snapshot_items(state: ShardedState, kinds: list[str], copy: bool) -> list[It
                     meta | {"start": piece.start, "end": piece.end},
                     data[piece.local : piece.local + n],
                 )
-    if state.rank == 0:
+    if state.rank == 0 or state.rank_buffers:
+        own: dict[str, Any] = {"rank": state.rank} if state.rank_buffers else {}
         for name, buffer in persistent_buffers(state.module):
-            add({"param": name, "kind": "buffer", "start": 0, "end": buffer.numel()}, buffer)
+            add(own | {"param": name, "kind": "buffer", "start": 0, "end": buffer.numel()}, buffer)
     return items
 
 
@@ -160,12 +162,20 @@ def write_rank_file(path: Location, state: ShardedState, kinds: list[str]) -> li
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, buffer in module.named_buffers():
+    """Each persistent buffer once, under its first name (see ``buffer_names``)."""
+    return [(names[0], buffer) for names, buffer in buffer_names(module)]
+
+
+def buffer_names(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Each persistent buffer with every name it is registered under: one tensor that
+    two modules register (a shared table) is saved once and exported under each name,
+    as ``state_dict()`` holds it."""
+    out: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, buffer in module.named_buffers(remove_duplicate=False):
         owner, _, local = name.rpartition(".")
         if local not in module.get_submodule(owner)._non_persistent_buffers_set:
-            out.append((name, buffer))
-    return out
+            out.setdefault(id(buffer), ([], buffer))[0].append(name)
+    return list(out.values())
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -354,12 +364,13 @@ def manifest_header(state: ShardedState, kinds, scalars, client_state) -> dict[s
         "params": _params(state),
         "buffers": [
             {
-                "name": n,
+                "name": names[0],
+                "names": names,
                 "dtype": str(b.dtype).removeprefix("torch."),
                 "shape": list(b.shape),
                 "numel": b.numel(),
             }
-            for n, b in persistent_buffers(state.module)
+            for names, b in buffer_names(state.module)
         ],
         "kinds": ["master", *kinds],
         "optimizer": {

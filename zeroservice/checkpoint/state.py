@@ -38,7 +38,8 @@ class ShardedState:
     optimizer: torch.optim.Optimizer
     """The optimizer over the masters: its per-element states and param groups."""
     module: nn.Module
-    """The model: its persistent buffers are saved by rank 0 and loaded by every rank."""
+    """The model: its persistent buffers are saved by rank 0 and loaded by every rank
+    (each rank's own, where ``rank_buffers``)."""
     whole: bool
     """Masters hold whole units (stage 0): rank 0 alone writes them."""
     rank: int
@@ -52,3 +53,7 @@ class ShardedState:
     """Manifest fields about the run (stage, precision, mp, mp_rank, psi)."""
     base_lrs: list[float] = field(default_factory=list)
     """Each optimizer group's base rate, the factory's (the schedule multiplies it)."""
+    rank_buffers: bool = False
+    """Every rank saves its own buffers and loads its own where the checkpoint has them
+    (rank 0's otherwise): they differ by rank when the engine does not broadcast them
+    (``broadcast_buffers=False``, BatchNorm statistics per rank)."""
