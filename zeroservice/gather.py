@@ -199,15 +199,16 @@ class ParamGatherer:
             self._handles.append(
                 module.register_forward_hook(partial(self.post_forward, is_root), always_call=True)
             )
-        self._entered: list[bool] = []
-        """Per container forward running, whether it opened the root's window (see
+        self._entered: list[bool | None] = []
+        """Per entry point's forward running, whether it opened a window: None, none (one
+        was open); True, the root's as a forward; False, one inside a backward (see
         [Note: a sub-module called directly])."""
         root_indices = next(indices for module, indices in groups if module is root)
-        for container in _containers(root, [m for m, _ in groups]):
+        for entry in _entry_points(root, [m for m, _ in groups]):
             self._handles.append(
-                container.register_forward_pre_hook(partial(self._enter, root_indices))
+                entry.register_forward_pre_hook(partial(self._enter, root_indices), prepend=True)
             )
-            self._handles.append(container.register_forward_hook(self._leave, always_call=True))
+            self._handles.append(entry.register_forward_hook(self._leave, always_call=True))
         comm.wait_all([self._issue(i) for i in sorted(self.persistent)])
 
     def checkpoint_blocks(self, blocks: list[nn.Module]) -> None:
@@ -229,7 +230,9 @@ class ParamGatherer:
                 block.register_forward_pre_hook(partial(self.pre_forward, [], False))
             )
             self._handles.append(
-                block.register_forward_hook(partial(self.post_forward, False), always_call=True)
+                block.register_forward_hook(
+                    partial(self.post_forward, False), always_call=True, prepend=True
+                )  # before an entry point's own: windows close in the order they opened
             )
 
     # -- what modules see ---------------------------------------------------------
@@ -319,26 +322,36 @@ class ParamGatherer:
 
     @_outside_inference_mode
     def _enter(self, root_indices: list[int], module, args) -> None:
-        """A container's forward begins: called directly (no window open, not a
-        recomputation), it opens the root's window as the root's own forward would.
+        """An entry point's forward begins: called directly (no window open, not a
+        recomputation), it opens the root's window, as the root's own forward would.
 
         [Note: a sub-module called directly]
-        The root's window holds the units no single group owns: a weight tied across
-        modules (an embedding shared by an encoder, a decoder and the head). Called
-        through the root they are gathered; a sub-module called on its own (T5's
-        ``generate`` runs ``model.encoder(...)`` first; a user embeds with
-        ``model.bert(...)``) read them as empty placeholders and failed inside torch
-        ("'weight' must be 2-D"). So each module that holds groups without being one
-        opens the root's window when it is entered with none open."""
-        opened = not self._windows and self._recomputing == 0
-        self._entered.append(opened)
-        if opened:
-            self.pre_forward(root_indices, True, module, args)
+        A parameter is read through the open windows; with none open it is the empty
+        placeholder. The root's window holds the units no single group owns: a weight
+        tied across modules (an embedding shared by an encoder, a decoder and the head).
+        Called through the root everything is gathered; a sub-module called on its own
+        read empty placeholders and failed inside torch ("'weight' must be 2-D", "size
+        mismatch ... vec (0)"): T5's ``generate`` runs ``model.encoder(...)`` first, a
+        user embeds with ``model.get_input_embeddings()(ids)`` (a tied embedding, in the
+        root's window) or calls ``model.layers[0].mlp(x)`` (inside a block's group), and
+        a reversible layer (Reformer) runs its feed-forward again inside its own
+        autograd backward. So every module below the root that has parameters and is
+        not a group is an entry point: entered with no window open, it opens the root's
+        window and its reads gather the rest on demand, as they do in a forward. Inside
+        a backward that window is an inner one: it releases what it gathered and leaves
+        the pass's plan and its other units alone."""
+        if self._windows or self._recomputing or self.copies_out:
+            self._entered.append(None)  # inside gathered_parameters() it reads the copies
+            return
+        as_forward = not self.reducer.state.value.in_backward
+        self._entered.append(as_forward)
+        self.pre_forward(root_indices, as_forward, module, args)
 
     @_outside_inference_mode
     def _leave(self, module, args, output) -> None:
-        if self._entered.pop():
-            self.post_forward(True, module, args, output)
+        opened = self._entered.pop()
+        if opened is not None:
+            self.post_forward(opened, module, args, output)
 
     @contextlib.contextmanager
     def recomputing(self):
@@ -649,14 +662,14 @@ def _persistent_units(units: list[FlatUnit], largest: int, total: int | None) ->
     return chosen
 
 
-def _containers(root: nn.Module, groups: list[nn.Module]) -> list[nn.Module]:
-    """Modules below the root that hold a group without being one (see [Note: a
+def _entry_points(root: nn.Module, groups: list[nn.Module]) -> list[nn.Module]:
+    """Modules below the root with parameters that are not groups (see [Note: a
     sub-module called directly])."""
     group_ids = {id(g) for g in groups}
-    found: dict[int, nn.Module] = {}
-    for module in root.modules():
-        if module is root or id(module) in group_ids:
-            continue
-        if any(id(m) in group_ids for m in module.modules()):
-            found.setdefault(id(module), module)
-    return list(found.values())
+    return [
+        module
+        for module in root.modules()
+        if module is not root
+        and id(module) not in group_ids
+        and next(module.parameters(), None) is not None
+    ]

@@ -125,7 +125,9 @@ def late_gradient(name: str) -> RuntimeError:
         "parameter used by more than one reentrant checkpointed call "
         "(torch.utils.checkpoint with use_reentrant=True) has its gradient accumulated in "
         "separate backward passes the engine cannot foresee; use use_reentrant=False, or "
-        "the engine's activation_checkpointing, which counts them"
+        "the engine's activation_checkpointing, which counts them. So does a forward run "
+        "again inside a custom autograd Function's backward (reversible layers, such as "
+        "Reformer's): train such a model at stages 0-2"
     )
 
 

@@ -1,5 +1,6 @@
 """Stage 3: a sub-module called on its own sees its weights (see [Note: a sub-module
-called directly] in gather.py).
+called directly] in gather.py): one holding groups, one inside a group, and a tied
+embedding whose weight no single group owns.
 
 A weight tied across modules stays in the root's window; a sub-module called without
 the root (T5's ``generate`` runs ``model.encoder(...)`` first) read it as the empty
@@ -75,6 +76,33 @@ def _through_the_encoder(stage: int) -> dict:
     return {"losses": losses, "encoded": encoded}
 
 
+def _inner_and_tied_modules(stage: int) -> dict:
+    """A tied embedding module (its weight in the root's window) and a layer inside a
+    block (the block is the group) called on their own, each training step, then once
+    more without a graph: nothing small is kept gathered between steps."""
+    torch.manual_seed(0)
+    engine = zeroservice.initialize(
+        _Tied(),
+        {"stage": stage, "stage3_persistence_elements": 0},
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    )
+    inner = engine.module.encoder.blocks[0][0]
+    losses = []
+    for step in range(3):
+        ids = _ids(step)
+        embedded = engine.module.shared(ids)  # as model.get_input_embeddings()(ids)
+        loss = inner(embedded).square().mean() + F.cross_entropy(
+            engine(ids).flatten(0, 1), ids.flatten()
+        )
+        engine.backward(loss)
+        engine.step()
+        losses.append(mean_over_ranks(loss.item()))
+    with torch.no_grad():
+        out = inner(engine.module.shared(_ids(9)))
+    engine.close()
+    return {"losses": losses, "out": out}
+
+
 def _t5_generate(stage: int) -> torch.Tensor:
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -96,7 +124,7 @@ def _t5_generate(stage: int) -> torch.Tensor:
 
 
 def _at_stages_0_and_3(what: str) -> dict:
-    run = _t5_generate if what == "t5" else _through_the_encoder
+    run = {"t5": _t5_generate, "encoder": _through_the_encoder}.get(what, _inner_and_tied_modules)
     return {stage: run(stage) for stage in (0, 3)}
 
 
@@ -106,6 +134,17 @@ def test_a_sub_module_called_alone_sees_the_tied_weight_at_stage_3():
         torch.tensor(out[3]["losses"]), torch.tensor(out[0]["losses"]), rtol=1e-5, atol=0
     )
     torch.testing.assert_close(out[3]["encoded"], out[0]["encoded"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_inside_a_block_and_a_tied_embedding_called_alone_at_stage_3():
+    """Neither is a group nor holds one: each, entered with no window open, opens the
+    root's window and gathers the rest of what it reads (they read empty placeholders:
+    "'weight' must be 2-D", "size mismatch ... vec (0)")."""
+    out = run_local(_at_stages_0_and_3, 2, "inner", timeout_s=300)[0]
+    torch.testing.assert_close(
+        torch.tensor(out[3]["losses"]), torch.tensor(out[0]["losses"]), rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(out[3]["out"], out[0]["out"], rtol=1e-5, atol=1e-6)
 
 
 def test_t5_generates_at_stage_3_as_at_stage_0():
