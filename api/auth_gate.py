@@ -21,6 +21,7 @@ from anyio import to_thread
 
 from . import store
 from .asgi import send_error
+from .errors import RETRY_AFTER_S, UNAVAILABLE, unavailable_detail
 
 Scope = dict[str, Any]
 PRINCIPAL = "principal"
@@ -52,7 +53,12 @@ class AuthGate:
             await self.app(scope, receive, send)
             return
         token = _bearer(headers)
-        who = await to_thread.run_sync(self._authenticate, token) if token else None
+        try:
+            who = await to_thread.run_sync(self._authenticate, token) if token else None
+        except UNAVAILABLE as exc:  # as the routes answer it: the app's handlers are inside
+            retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+            await send_error(send, 503, unavailable_detail(exc), retry)
+            return
         if who is None:
             await send_error(
                 send, 401, "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")]

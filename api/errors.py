@@ -50,12 +50,23 @@ def _invalid(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": errors}, status_code=422)
 
 
-def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+UNAVAILABLE = (Unavailable, OperationalError, InterfaceError, PoolTimeout)
+"""What answers 503 with Retry-After: the store or the cluster not answering now."""
+
+
+def unavailable_detail(exc: Exception) -> str:
+    """The 503's detail for one of ``UNAVAILABLE``."""
     if not isinstance(exc, Unavailable):
         log.warning("store unavailable: %s", exc.__class__.__name__)
         exc = Unavailable("the job store", exc)
+    return str(exc)
+
+
+def _unavailable(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(
-        {"detail": str(exc)}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+        {"detail": unavailable_detail(exc)},
+        status_code=503,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
     )
 
 
@@ -84,5 +95,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Rejected, _rejected)
-    for kind in (Unavailable, OperationalError, InterfaceError, PoolTimeout):
+    for kind in UNAVAILABLE:
         app.add_exception_handler(kind, _unavailable)

@@ -158,7 +158,10 @@ def opened_as_checked(path: str) -> Iterator[str]:
     checked: no later swap reaches it. Without ``/proc`` the real path is compared
     before opening."""
     wanted = os.path.abspath(path)
-    fd = os.open(wanted, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(wanted, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # said as the datasets say it, by the job's path
+        raise FileNotFoundError(f"{path}: no such file") from None
     try:
         proc = f"/proc/self/fd/{fd}"
         try:
