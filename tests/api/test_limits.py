@@ -159,9 +159,18 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(harness):
 def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
     """Answered by the middleware itself (a client cannot send such a header through
     httpx), before any body is read or any route runs."""
-    import asyncio
-
     from api.body_limit import BodyLimit
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", declared)]}
+    sent = _answered_unread(lambda app: BodyLimit(app, 2**20), scope)
+    assert sent[0]["status"] == 400
+    assert b"Content-Length: not a whole number of bytes" in sent[1]["body"]
+
+
+def _answered_unread(middleware, scope: dict) -> list[dict]:
+    """What ``middleware`` (wrapping an app that must not run) sends for ``scope``,
+    without reading any of the body."""
+    import asyncio
 
     async def app(scope, receive, send):
         raise AssertionError("the route ran")
@@ -174,10 +183,8 @@ def test_a_content_length_that_is_not_a_number_is_a_bad_request(declared):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", declared)]}
-    asyncio.run(BodyLimit(app, 2**20)(scope, receive, send))
-    assert sent[0]["status"] == 400
-    assert b"Content-Length: not a whole number of bytes" in sent[1]["body"]
+    asyncio.run(middleware(app)(scope, receive, send))
+    return sent
 
 
 @pytest.mark.parametrize(
@@ -302,24 +309,12 @@ def test_a_body_without_a_valid_token_is_refused_before_it_is_read(harness, head
 
 
 def test_the_gate_reads_no_body_of_a_request_without_a_token():
-    import asyncio
     import types
 
     from api.auth_gate import AuthGate
 
-    async def app(scope, receive, send):
-        raise AssertionError("the route ran")
-
-    async def receive():
-        raise AssertionError("the body was read")
-
-    sent: list[dict] = []
-
-    async def send(message):
-        sent.append(message)
-
     service = types.SimpleNamespace(sessions=None)  # never asked: there is no token
     for headers in ([(b"content-length", b"12")], [(b"transfer-encoding", b"chunked")]):
         scope = {"type": "http", "method": "POST", "path": "/v1/plan", "headers": headers}
-        asyncio.run(AuthGate(app, service)(scope, receive, send))
-        assert sent[-2]["status"] == 401
+        sent = _answered_unread(lambda app: AuthGate(app, service), scope)
+        assert sent[0]["status"] == 401

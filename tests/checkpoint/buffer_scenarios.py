@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroservice
-from zeroservice.checkpoint import CheckpointError, CheckpointMismatch
+from zeroservice.checkpoint import CheckpointError
 
 
 class Normed(nn.Module):
@@ -77,24 +77,14 @@ def save_normed(root: str) -> None:
     engine.close()
 
 
-def load_into(root: str) -> str:
-    """A load's error, or "" (the model tracks its statistics, as the saved one did)."""
-    engine = _engine(Normed())
+def load_into(root: str, track: bool = True) -> str:
+    """A load's error (a ``CheckpointMismatch`` is one), or "" where it loaded; the
+    model tracks its statistics as the saved one did, or (``track=False``) none."""
+    engine = _engine(Normed(track=track))
     try:
         engine.load_checkpoint(root)
         return ""
     except CheckpointError as exc:
-        return str(exc)
-    finally:
-        engine.close()
-
-
-def load_untracked(root: str) -> str:
-    engine = _engine(Normed(track=False))
-    try:
-        engine.load_checkpoint(root)
-        return ""
-    except CheckpointMismatch as exc:
         return str(exc)
     finally:
         engine.close()

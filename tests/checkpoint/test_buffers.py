@@ -12,7 +12,6 @@ from tests.checkpoint.buffer_scenarios import (
     Normed,
     SharedTable,
     load_into,
-    load_untracked,
     rank_buffers_resume,
     save_and_load_shared,
     save_normed,
@@ -37,7 +36,7 @@ def test_a_buffer_the_model_lacks_is_refused_by_name(tmp_path):
     """BatchNorm's statistics saved, loaded into one that tracks none: refused as
     ``load_state_dict(strict=True)`` refuses it, on every rank, instead of dropped."""
     run_local(save_normed, 2, str(tmp_path), timeout_s=200)
-    for said in run_local(load_untracked, 2, str(tmp_path), timeout_s=200):
+    for said in run_local(load_into, 2, str(tmp_path), False, timeout_s=200):
         assert "the checkpoint holds buffers this model does not have" in said, said
         assert "bn.num_batches_tracked, bn.running_mean, bn.running_var" in said, said
 
