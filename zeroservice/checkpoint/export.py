@@ -22,7 +22,7 @@ import torch
 
 from ..tensor_parallel import merge_mp_slices
 from .files import CheckpointError, SegmentReader, dtype_of
-from .manifest import read_manifest
+from .manifest import entry_names, read_manifest
 from .storage import Location, Where, location
 
 _SAFETENSORS_DTYPES = {
@@ -192,9 +192,9 @@ def _export(
         if (split := splits.get(p["name"])) is not None:
             shape[split[0]] *= len(slices)
             numel *= len(slices)
-        saved.append(_Entry(p, "master", "float32", shape, numel, _names(p)))
+        saved.append(_Entry(p, "master", "float32", shape, numel, entry_names(p)))
     for b in manifest.get("buffers", []):
-        saved.append(_Entry(b, "buffer", b["dtype"], b["shape"], b["numel"], _names(b)))
+        saved.append(_Entry(b, "buffer", b["dtype"], b["shape"], b["numel"], entry_names(b)))
     entries = _under(saved, prefix, directory)
 
     def tensor(entry: _Entry) -> torch.Tensor:
@@ -235,11 +235,6 @@ def _write(
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _names(record: dict[str, Any]) -> list[str]:
-    """Every name a saved tensor has (tied parameters have several)."""
-    return record.get("names", [record["name"]])
 
 
 def _under(entries: list[_Entry], prefix: str, directory: Location) -> list[_Entry]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..naming import some_names
 from .files import CheckpointError, SegmentReader, dtype_of
 from .layout import Piece, held_pieces
-from .manifest import candidates, read_manifest
+from .manifest import candidates, entry_names, read_manifest
 from .save import buffer_names
 from .state import Counters, ShardedState
 from .storage import Location, Where
@@ -96,7 +96,7 @@ class _Plan:
                     _no_state(source, saved["name"], kind, self.kinds, index)
                 self._cover(piece, kind, segs, saved["name"])
         self.buffers: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        shapes = {n: b.get("shape") for b in manifest.get("buffers", []) for n in _names(b)}
+        shapes = {n: b.get("shape") for b in manifest.get("buffers", []) for n in entry_names(b)}
         model_buffers = buffer_names(state.module)
         _check_buffer_names(model_buffers, manifest, index, source)
         for names, buffer in model_buffers:
@@ -242,7 +242,7 @@ def _check_buffer_names(
     dropped without a word: refused, as ``load_state_dict(strict=True)`` refuses it."""
     known = {n for names, _ in model_buffers for n in names}
     saved = {name for name, kind in index if kind == "buffer"}
-    saved |= {n for b in manifest.get("buffers", []) for n in _names(b)}
+    saved |= {n for b in manifest.get("buffers", []) for n in entry_names(b)}
     strangers = sorted(saved - known)
     if strangers:
         raise CheckpointMismatch(
@@ -250,11 +250,6 @@ def _check_buffer_names(
             f"{some_names(strangers, 5)} (a checkpoint of another model, or of this one "
             "with other settings, such as BatchNorm's track_running_stats)"
         )
-
-
-def _names(record: dict[str, Any]) -> list[str]:
-    """Every name a saved buffer has (one registered by two modules has two)."""
-    return record.get("names", [record["name"]])
 
 
 def _rank_segment(segs: list[dict[str, Any]], rank: int) -> dict[str, Any]:

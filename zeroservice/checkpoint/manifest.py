@@ -53,6 +53,12 @@ def digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def entry_names(record: dict[str, Any]) -> list[str]:
+    """Every name a manifest's parameter or buffer entry is saved under (a tied
+    parameter, a buffer two modules register: several; an older entry: its name)."""
+    return record.get("names", [record["name"]])
+
+
 def write_manifest(directory: Location, manifest: dict[str, Any]) -> None:
     """Write ``manifest`` with its digest (see [Note: the manifest's own digest])."""
     # Through JSON once: keys become strings as a reader will see them (a client
